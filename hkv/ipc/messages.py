@@ -1,0 +1,156 @@
+"""Typed messages for every ZeroMQ link, encoded as msgpack by msgspec.
+
+One section per link. Decoding validates the schema (msgspec raises
+`msgspec.ValidationError`); no class is ever reconstructed from the wire
+beyond these Structs, and nothing here uses pickle.
+
+    api ---Inbound---> router ---StepPlan---> rank 0..N-1
+    api <--Outbound--- router <--StepResult-- rank 0
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How one sequence picks its tokens; validated by the api before queueing."""
+
+    max_tokens: int  # completion tokens to generate at most (>= 1)
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int | None = None  # keep the k most likely tokens; None keeps all
+    seed: int = 0  # per-request generator seed (the api draws one when the client gives none)
+    ignore_eos: bool = False  # keep generating past EOS until max_tokens
+    logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token's logprob plus the top n
+
+
+# ---- api -> router -------------------------------------------------------------
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
+    """One sequence to generate (the api fans `n > 1` out into n of these)."""
+
+    req_id: int  # unique per api process, never reused
+    prompt_ids: list[int]  # validated: every id inside the vocabulary, length >= 1
+    sampling: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
+    """Stop a sequence (client gone, stop string matched); resources return within one step."""
+
+    req_id: int
+
+
+Inbound = GenerateRequest | AbortRequest
+
+
+# ---- router -> api -------------------------------------------------------------
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
+    """New tokens of one sequence in one step, and its end when it ends."""
+
+    req_id: int
+    token_ids: list[int]
+    logprobs: list[float] | None  # one per token when requested
+    top_logprobs: list[list[TopLogprob]] | None  # one list per token when requested
+    finish_reason: str | None  # "stop" (EOS), "length", "abort" or "error"; None while running
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the cache, all tiers
+    cache_tiers: dict[str, int] | None = None  # {"gpu": n, "cpu": n, "disk": n, "peer": n} on finish
+    error: str | None = None  # human-readable reason when finish_reason == "error"
+
+
+class TokenBatch(msgspec.Struct, frozen=True, tag="tokens"):
+    """Everything one router step produced for the api: one message per step, not per token."""
+
+    deltas: list[TokenDelta]
+
+
+class EngineState(msgspec.Struct, frozen=True, tag="state"):
+    """Router health for /ready and /health."""
+
+    ready: bool  # can admit new work
+    alive: bool  # False once the engine has failed for good
+    waiting: int  # requests queued at the router
+    running: int  # requests holding KV pages
+
+
+Outbound = TokenBatch | EngineState
+
+
+# ---- router -> rank ------------------------------------------------------------
+
+
+class NewSequence(msgspec.Struct, frozen=True, array_like=True):
+    """A sequence the rank has not seen: sent once, in full."""
+
+    slot: int  # request-table row; the page ids live there in shared memory
+    req_id: int
+    sampling: SamplingParams
+
+
+class Chunk(msgspec.Struct, frozen=True, array_like=True):
+    """Tokens of one sequence to run this step (a prefill chunk or one decode token)."""
+
+    slot: int  # request-table row holding this sequence's page ids
+    token_ids: list[int]  # the new tokens, in order
+    start_pos: int  # tokens of this sequence already in the KV pages (position of token_ids[0])
+    sample: bool  # sample a token after the last one (the prompt's last chunk, or decode)
+
+
+class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
+    """The one hand-off from router to ranks per step.
+
+    The router writes each slot's page ids into the shared request table
+    before sending the plan; ranks only read them.
+    """
+
+    step: int  # monotonically increasing; the result echoes it
+    new: list[NewSequence]  # sequences first scheduled in this step
+    chunks: list[Chunk]  # work to run, one per scheduled sequence
+    freed: list[int]  # slots released since the previous plan (ranks drop per-slot state)
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    """Ask the ranks to exit after the step in flight."""
+
+    reason: str
+
+
+RankInbound = StepPlan | Shutdown
+
+
+# ---- rank -> router ------------------------------------------------------------
+
+
+class Sampled(msgspec.Struct, frozen=True, array_like=True):
+    slot: int
+    token_id: int
+    logprob: float | None  # the chosen token's logprob when requested
+    top_logprobs: list[TopLogprob] | None
+
+
+class StepResult(msgspec.Struct, frozen=True, tag="result"):
+    """What a rank produced for one StepPlan."""
+
+    step: int
+    sampled: list[Sampled]  # one per chunk with sample=True, in plan order
+    forward_s: float  # seconds inside the model forward and sampling (for overhead reports)
+    error: str | None = None  # set when the step failed; the router fails the step's requests
+
+
+class RankReady(msgspec.Struct, frozen=True, tag="ready"):
+    """Sent once by each rank after the model is loaded and pools are allocated."""
+
+    rank: int
+    kv_pages: int  # pages in the device KV pool
+
+
+RankOutbound = StepResult | RankReady
