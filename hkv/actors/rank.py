@@ -1,0 +1,96 @@
+"""The rank actor: loads the model onto its device and executes step plans.
+
+    router --StepPlan--> [inbox] -> execute -> StepResult --> router
+
+It decides nothing: page ids come from the shared request table, the plan
+says what to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq.asyncio
+
+from hkv.config import HkvConfig
+from hkv.engine.model_runner import ModelRunner
+from hkv.ipc import request_table
+from hkv.ipc.channel import Receiver, Sender
+from hkv.ipc.messages import RankInbound, RankOutbound, RankReady, Shutdown
+from hkv.ipc.process import ActorContext, run_actor
+from hkv.ipc.shm import Registry, ShmRegion
+
+log = logging.getLogger("hkv.rank")
+
+
+def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRunner:
+    import torch
+
+    from hkv.models.loader import load_model
+    from hkv.storage.kv_pool import KVPool
+
+    torch.manual_seed(cfg.model.seed)
+    loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
+    layout = loaded.model.kv_layout(cfg.cache.num_pages, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
+    kv = KVPool(layout)
+    log.info("KV pool: %d pages x %d tokens, %.1f MiB", layout.num_pages, layout.page_size,
+             layout.bytes_per_page() * layout.num_pages / 2**20)
+    return ModelRunner(loaded.model, kv, None, table, cfg.cache.page_size, cfg.model.device)
+
+
+def _attach_table(cfg: HkvConfig) -> tuple[ShmRegion, request_table.RequestTable]:
+    entries = {e.region: e for e in Registry.attach(cfg.server.name).entries()}
+    layout = request_table.TableLayout(**entries[request_table.REGION].layout)
+    region = ShmRegion.attach(cfg.server.name, request_table.REGION, readonly=True)
+    return region, request_table.RequestTable(layout, region.payload)
+
+
+async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
+    region, table = _attach_table(cfg)
+    zctx = zmq.asyncio.Context()
+    inbox: Receiver[RankInbound] = Receiver(zctx, cfg.ipc_address(f"rank{ctx.rank}_in"), RankInbound, "rank_in")
+    outbox: Sender[RankOutbound] = Sender(zctx, cfg.ipc_address("router_results"), "router_results")
+    try:
+        runner = await asyncio.to_thread(_build_runner, cfg, table)
+        inbox.start()
+        await outbox.send(RankReady(ctx.rank, runner.kv.layout.num_pages))
+        ctx.ready(rank=ctx.rank)
+        await _step_loop(ctx, inbox, outbox, runner)
+    finally:
+        await inbox.aclose()
+        await outbox.aclose()
+        zctx.term()
+        table.release_views()
+        region.close()
+
+
+async def _step_loop(ctx: ActorContext, inbox, outbox, runner: ModelRunner) -> None:
+    stop = asyncio.ensure_future(ctx.stop.wait())
+    try:
+        while True:
+            # 1. wait for a plan (or a stop)
+            get = asyncio.ensure_future(inbox.get())
+            await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                return
+            msg = get.result()
+            if isinstance(msg, Shutdown):
+                return
+            # 2. run it and 3. answer (rank 0 answers for the group)
+            result = runner.execute(msg)
+            if result.error:
+                log.error("step %d failed: %s", msg.step, result.error)
+            if ctx.rank == 0:
+                await outbox.send(result)
+    finally:
+        stop.cancel()
+
+
+def main() -> None:
+    run_actor("rank", serve)
+
+
+if __name__ == "__main__":
+    main()

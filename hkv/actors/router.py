@@ -1,0 +1,179 @@
+"""The router actor: owns the scheduler and every page; drives the ranks step by step.
+
+    api --Inbound--> [inbox] --+
+                               v
+    1. drain inbox -> 2. schedule -> 3. run the step on the ranks -> 4. publish tokens --> api
+
+One StepPlan goes out and one StepResult comes back per step; one TokenBatch
+per step goes to the api.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import zmq.asyncio
+
+from hkv.config import HkvConfig
+from hkv.engine.pages import PageAllocator
+from hkv.engine.scheduler import Scheduler, SchedulerLimits
+from hkv.ipc import request_table
+from hkv.ipc.channel import Receiver, Sender
+from hkv.ipc.messages import (
+    AbortRequest,
+    EngineState,
+    GenerateRequest,
+    Inbound,
+    Outbound,
+    RankInbound,
+    RankOutbound,
+    RankReady,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+)
+from hkv.ipc.process import ActorContext, run_actor
+from hkv.ipc.shm import Registry, ShmRegion
+
+log = logging.getLogger("hkv.router")
+
+
+def model_limits(path: str) -> tuple[int, frozenset[int]]:
+    """(context length, EOS ids) of a checkpoint folder, without loading weights."""
+    from hkv.models.tokenizer import Tokenizer
+
+    hf = json.loads(Path(path, "config.json").read_text())
+    text_cfg = hf.get("text_config", hf)
+    return int(text_cfg["max_position_embeddings"]), frozenset(Tokenizer.from_folder(path).eos_token_ids)
+
+
+class Router:
+    """The actor's state and its named steps; the socket-free parts live in Scheduler."""
+
+    def __init__(self, cfg: HkvConfig, zctx: zmq.asyncio.Context, table: request_table.RequestTable):
+        max_context, eos_ids = model_limits(cfg.model.path)
+        limits = SchedulerLimits(
+            page_size=cfg.cache.page_size,
+            max_running=cfg.scheduler.max_running_requests,
+            token_budget=cfg.scheduler.chunked_prefill_size,
+            max_context=max_context,
+            eos_ids=eos_ids,
+        )
+        self.scheduler = Scheduler(limits, PageAllocator(cfg.cache.num_pages), table)
+        self.inbox: Receiver[Inbound] = Receiver(zctx, cfg.ipc_address("router_in"), Inbound, "router_in")
+        self.results: Receiver[RankOutbound] = Receiver(
+            zctx, cfg.ipc_address("router_results"), RankOutbound, "router_results"
+        )
+        self.to_api: Sender[Outbound] = Sender(zctx, cfg.ipc_address("api_in"), "api_in")
+        self.to_ranks: list[Sender[RankInbound]] = [
+            Sender(zctx, cfg.ipc_address(f"rank{r}_in"), f"rank{r}_in") for r in range(cfg.model.tp)
+        ]
+
+    async def wait_for_ranks(self, count: int) -> None:
+        ready = 0
+        while ready < count:
+            msg = await self.results.get()
+            if isinstance(msg, RankReady):
+                ready += 1
+                log.info("rank %d ready with %d KV pages", msg.rank, msg.kv_pages)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.to_api.send(EngineState(ready=True, alive=True, waiting=0, running=0))
+        while not stop.is_set():
+            await self.drain_inbox(block=not self.scheduler.has_work(), stop=stop)
+            plan = self.scheduler.schedule()
+            if plan is not None:
+                result = await self.run_step(plan)
+                await self.publish(self.scheduler.on_result(result, plan))
+            else:
+                await self.publish(self.scheduler.take_finished())
+
+    async def drain_inbox(self, block: bool, stop: asyncio.Event) -> None:
+        """Apply every queued request and abort; with no work, wait for the first."""
+        if block and self.inbox.empty():
+            get = asyncio.ensure_future(self.inbox.get())
+            halt = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({get, halt}, return_when=asyncio.FIRST_COMPLETED)
+            halt.cancel()
+            if not get.done():
+                get.cancel()
+                return
+            self.apply(get.result())
+        for msg in self.inbox.drain():
+            self.apply(msg)
+
+    def apply(self, msg: Inbound) -> None:
+        if isinstance(msg, GenerateRequest):
+            self.scheduler.add(msg)
+        elif isinstance(msg, AbortRequest):
+            self.scheduler.abort(msg.req_id)
+
+    async def run_step(self, plan: StepPlan) -> StepResult:
+        for sender in self.to_ranks:
+            await sender.send(plan)
+        while True:
+            msg = await self.results.get()
+            if isinstance(msg, StepResult) and msg.step == plan.step:
+                return msg
+            log.warning("ignoring an unexpected rank message: %r", msg)
+
+    async def publish(self, deltas) -> None:
+        if deltas:
+            await self.to_api.send(TokenBatch(deltas))
+
+    async def aclose(self) -> None:
+        for sender in self.to_ranks:
+            await sender.send(Shutdown("router stopping"))
+        for channel in (self.inbox, self.results, self.to_api, *self.to_ranks):
+            await channel.aclose()
+
+
+async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
+    entries = {e.region: e for e in Registry.attach(cfg.server.name).entries()}
+    layout = request_table.TableLayout(**entries[request_table.REGION].layout)
+    region = ShmRegion.attach(cfg.server.name, request_table.REGION)
+    table = request_table.RequestTable(layout, region.payload)
+    zctx = zmq.asyncio.Context()
+    router = Router(cfg, zctx, table)
+    router.inbox.start()
+    router.results.start()
+    try:
+        waiter = asyncio.ensure_future(router.wait_for_ranks(cfg.model.tp))
+        halt = asyncio.ensure_future(ctx.stop.wait())
+        await asyncio.wait({waiter, halt}, return_when=asyncio.FIRST_COMPLETED)
+        halt.cancel()
+        if waiter.done():
+            ctx.ready()
+            await _run_until_stopped(router, ctx.stop)
+        else:
+            waiter.cancel()
+    finally:
+        await router.aclose()
+        zctx.term()
+        table.release_views()
+        region.close()
+
+
+async def _run_until_stopped(router: Router, stop: asyncio.Event) -> None:
+    """Run steps until stopped; a stop cancels a step still waiting on a dead rank."""
+    steps = asyncio.ensure_future(router.run(stop))
+    halt = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({steps, halt}, return_when=asyncio.FIRST_COMPLETED)
+    halt.cancel()
+    if not steps.done():
+        steps.cancel()
+    await asyncio.gather(steps, return_exceptions=True)
+    if steps.done() and not steps.cancelled() and steps.exception() is not None:
+        raise steps.exception()
+
+
+def main() -> None:
+    run_actor("router", serve)
+
+
+if __name__ == "__main__":
+    main()

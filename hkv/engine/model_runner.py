@@ -1,0 +1,81 @@
+"""Executes one StepPlan on a rank: batch tensors, forward, sampling.
+
+The runner owns the device pools and the per-slot sampling params. It reads
+page ids from the request table (written by the router before the plan was
+sent) and never decides anything.
+"""
+
+from __future__ import annotations
+
+import time
+from itertools import chain
+
+import numpy as np
+import torch
+
+from hkv.engine.sampler import SampleRow, sample
+from hkv.ipc.messages import Sampled, SamplingParams, StepPlan, StepResult
+from hkv.ipc.request_table import RequestTable
+from hkv.models.batch import ForwardBatch
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv, state, table: RequestTable, page_size: int, device: str):
+        self.model = model
+        self.kv = kv  # KVPool: K/V pages of the full-attention layers
+        self.state = state  # StatePool of the linear-attention layers, None for dense models
+        self.table = table
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.sampling: dict[int, SamplingParams] = {}  # slot -> params of the sequence in it
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan; failures become a StepResult with `error` set."""
+        for slot in plan.freed:
+            self.sampling.pop(slot, None)
+        for seq in plan.new:
+            self.sampling[seq.slot] = seq.sampling
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                batch = self.build_batch(plan)
+                logits = self.model(batch, self.kv, self.state)  # [S, vocab]
+                rows = [
+                    SampleRow(self.sampling[c.slot], c.start_pos + len(c.token_ids))
+                    for c in plan.chunks
+                    if c.sample
+                ]
+                outs = sample(logits, rows)
+        except Exception as exc:  # a failed step fails its requests, not the rank
+            return StepResult(plan.step, [], time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+        slots = [c.slot for c in plan.chunks if c.sample]
+        sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(slots, outs)]
+        return StepResult(plan.step, sampled, time.perf_counter() - start)
+
+    def build_batch(self, plan: StepPlan) -> ForwardBatch:
+        """Flatten the plan's chunks into one ragged batch (see hkv/models/batch.py)."""
+        ps = self.page_size
+        chunks = plan.chunks
+        q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)  # [B]
+        starts = np.array([c.start_pos for c in chunks], dtype=np.int64)  # [B]
+        kv_lens = starts + q_lens  # [B]
+        slots = np.array([c.slot for c in chunks], dtype=np.int64)
+        max_pages = int((kv_lens.max() + ps - 1) // ps)
+        page_table = self.table.page_ids[slots, :max_pages].astype(np.int64)  # [B, max_pages]
+        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)  # [T]
+        first_token = np.cumsum(q_lens) - q_lens  # [B]
+        positions = starts[seq_of_token] + (np.arange(int(q_lens.sum())) - first_token[seq_of_token])  # [T]
+        slot_mapping = page_table[seq_of_token, positions // ps] * ps + positions % ps  # [T]
+        sample_rows = np.array([c.sample for c in chunks], dtype=bool)
+        logits_indices = (first_token + q_lens - 1)[sample_rows]  # [S]
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.long, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
+            q_lens=q_lens.tolist(),
+            kv_lens=kv_lens.tolist(),
+            page_table=torch.from_numpy(page_table).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            state_slots=None,
+        )

@@ -1,0 +1,73 @@
+"""Token sampling from a step's logits.
+
+Greedy rows take the argmax. Random rows draw from a generator seeded by
+(request seed, position of the sampled token), so a request's tokens do not
+depend on what else shares its batch, nor on preemption and recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hkv.ipc.messages import SamplingParams, TopLogprob
+
+_MIX = 0x9E3779B97F4A7C15  # splits (seed, position) into well-spread generator seeds
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One sequence to sample: its params and the position the new token will take."""
+
+    sampling: SamplingParams
+    position: int
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[TopLogprob] | None
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleOutput]:
+    """Pick one token per row of `logits` ([S, vocab], fp32)."""
+    tokens = logits.argmax(dim=-1).tolist()  # [S]; greedy rows keep these
+    for i, row in enumerate(rows):
+        if row.sampling.temperature > 0:
+            tokens[i] = _draw(logits[i], row)
+    return [_with_logprobs(logits[i], tokens[i], row.sampling) for i, row in enumerate(rows)]
+
+
+def _draw(logits: torch.Tensor, row: SampleRow) -> int:
+    params = row.sampling
+    scaled = logits.float() / params.temperature  # [V]
+    if params.top_k is not None and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)  # [V]
+    if params.top_p < 1.0:
+        probs = _top_p_filter(probs, params.top_p)
+    gen = torch.Generator(device=probs.device)
+    gen.manual_seed((params.seed * _MIX + row.position) & 0x7FFF_FFFF_FFFF_FFFF)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
+    sorted_probs, order = torch.sort(probs, descending=True)  # [V]
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+
+
+def _with_logprobs(logits: torch.Tensor, token: int, params: SamplingParams) -> SampleOutput:
+    if params.logprobs is None:
+        return SampleOutput(token, None, None)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    top = []
+    if params.logprobs > 0:
+        values, ids = torch.topk(logprobs, params.logprobs)
+        top = [TopLogprob(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist())]
+    return SampleOutput(token, float(logprobs[token]), top)

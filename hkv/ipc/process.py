@@ -1,0 +1,137 @@
+"""Process plumbing shared by every actor: config hand-off, lifeline, status, signals.
+
+The launcher starts each actor as `python -m hkv.actors.<name> --config-file F
+--lifeline-fd L --status-fd S [--rank R]`:
+
+- the config file holds the frozen `HkvConfig` as JSON (built once at the CLI);
+- the lifeline is the read end of a pipe whose write end only the launcher
+  holds: EOF means the launcher died, so the actor stops and unlinks the
+  instance's shared memory (nobody else is left to do it);
+- the status pipe carries one JSON line per event to the launcher:
+  `{"ready": {...}}` once the actor serves, `{"error": "..."}` before it dies.
+
+SIGTERM asks the actor to stop (the api drains first); SIGINT is ignored,
+because a terminal's Ctrl-C is the launcher's to handle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from hkv.config import HkvConfig
+
+log = logging.getLogger("hkv")
+
+
+@dataclass
+class ActorContext:
+    """What an actor body gets besides the config: its identity and stop signals."""
+
+    name: str
+    rank: int
+    status_fd: int
+    stop: asyncio.Event = field(default_factory=asyncio.Event)  # set: leave now (after draining)
+    launcher_gone: bool = False  # the lifeline broke: nobody else will clean up
+    stop_reason: str = ""
+
+    def ready(self, **info) -> None:
+        """Tell the launcher this actor serves."""
+        self._status({"ready": info})
+
+    def failed(self, reason: str) -> None:
+        """Tell the launcher why this actor is about to die."""
+        self._status({"error": reason})
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stop.is_set():
+            self.stop_reason = reason
+            log.info("%s: stopping (%s)", self.name, reason)
+            self.stop.set()
+
+    def _status(self, payload: dict) -> None:
+        try:
+            os.write(self.status_fd, (json.dumps(payload) + "\n").encode())
+        except OSError:
+            pass  # the launcher is gone; the lifeline handles that
+
+
+ActorBody = Callable[[HkvConfig, ActorContext], Awaitable[None]]
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config-file", required=True)
+    p.add_argument("--lifeline-fd", type=int, required=True)
+    p.add_argument("--status-fd", type=int, required=True)
+    p.add_argument("--rank", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def setup_logging(level: str, who: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format=f"%(asctime)s {who} %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _watch_lifeline(fd: int, ctx: ActorContext) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_readable() -> None:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            ctx.launcher_gone = True
+            ctx.request_stop("launcher gone")
+
+    loop.add_reader(fd, on_readable)
+
+
+def run_actor(name: str, body: ActorBody, argv: list[str] | None = None) -> None:
+    """Run one actor process to completion; exits non-zero if the body fails."""
+    args = _parse_args(argv)
+    with open(args.config_file, encoding="utf-8") as f:
+        cfg = HkvConfig.from_json(f.read())
+    who = name if name != "rank" else f"rank{args.rank}"
+    setup_logging(cfg.server.log_level, who)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    import uvloop
+
+    code = uvloop.run(_main(who, body, cfg, args))
+    sys.exit(code)
+
+
+async def _main(who: str, body: ActorBody, cfg: HkvConfig, args: argparse.Namespace) -> int:
+    ctx = ActorContext(name=who, rank=args.rank, status_fd=args.status_fd)
+    _watch_lifeline(args.lifeline_fd, ctx)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ctx.request_stop, "SIGTERM")
+    try:
+        await body(cfg, ctx)
+    except Exception as exc:  # the one place an actor's failure becomes an exit code
+        log.exception("%s failed", who)
+        ctx.failed(f"{who}: {type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        if ctx.launcher_gone:
+            _cleanup_orphaned(cfg)
+    return 0
+
+
+def _cleanup_orphaned(cfg: HkvConfig) -> None:
+    """The launcher died: unlink the instance's shared memory ourselves."""
+    from hkv.ipc.shm import unlink_instance
+
+    unlink_instance(cfg.server.name)

@@ -1,0 +1,262 @@
+"""`hkv-launch`: start one instance's actors and supervise them.
+
+    parse flags (exit 2 on a bad one) -> sweep orphaned shm -> create regions
+    -> start ranks, router, api -> wait until each reports ready -> supervise
+
+If any child dies, the others are stopped in order (api, router, ranks),
+shared memory is unlinked and the launcher exits 1 with a one-line reason.
+SIGTERM/SIGINT drain: the api refuses new requests and finishes in-flight
+ones, then the rest stop and the launcher exits 0. A second signal stops at
+once. Children hold the read end of a lifeline pipe: if the launcher itself
+is killed they see EOF and exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from hkv.config import ConfigError, HkvConfig, parse_cli
+from hkv.ipc import request_table
+from hkv.ipc.process import setup_logging
+from hkv.ipc.shm import Registry, ShmRegion, sweep_orphans, unlink_instance
+
+log = logging.getLogger("hkv.launch")
+STOP_GRACE_S = 10.0
+READY_TIMEOUT_S = 900.0
+
+
+@dataclass
+class Child:
+    name: str  # "api", "router", "rank0", ...
+    proc: asyncio.subprocess.Process
+    status_fd: int  # read end of the child's status pipe
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None  # what the child said before dying, if anything
+
+
+class Instance:
+    """One running instance: its regions, children and the reason it stops."""
+
+    def __init__(self, cfg: HkvConfig):
+        self.cfg = cfg
+        self.children: list[Child] = []
+        self.regions: list[ShmRegion] = []
+        self.lifeline_r, self.lifeline_w = os.pipe()
+        self.draining = asyncio.Event()
+        self.halt = asyncio.Event()  # a second signal: stop without draining
+
+    def create_regions(self) -> None:
+        cfg = self.cfg
+        removed = sweep_orphans()
+        if removed:
+            log.info("swept %d orphaned shared-memory segments", len(removed))
+        registry = Registry.create(cfg.server.name, capacity=16)
+        self.regions.append(registry)
+        max_context = _max_context(cfg.model.path)
+        layout = request_table.TableLayout(
+            slots=cfg.scheduler.max_running_requests,
+            max_pages=(max_context + cfg.cache.page_size - 1) // cfg.cache.page_size + 1,
+        )
+        table = ShmRegion.create(cfg.server.name, request_table.REGION, layout.nbytes(), writer="router")
+        self.regions.append(table)
+        registry.add(request_table.REGION, writer="router", version=request_table.VERSION, layout=layout.to_dict())
+
+    async def spawn(self, name: str, module: str, config_file: str, extra: list[str]) -> Child:
+        status_r, status_w = os.pipe()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", module,
+            "--config-file", config_file,
+            "--lifeline-fd", str(self.lifeline_r),
+            "--status-fd", str(status_w),
+            *extra,
+            pass_fds=(self.lifeline_r, status_w),
+            start_new_session=True,  # a terminal's Ctrl-C reaches only the launcher
+        )
+        os.close(status_w)
+        child = Child(name, proc, status_r)
+        asyncio.get_running_loop().add_reader(status_r, self._on_status, child)
+        self.children.append(child)
+        return child
+
+    def _on_status(self, child: Child) -> None:
+        try:
+            data = os.read(child.status_fd, 65536)
+        except OSError:
+            data = b""
+        if not data:
+            asyncio.get_running_loop().remove_reader(child.status_fd)
+            return
+        for line in data.decode(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if "ready" in event:
+                child.ready.set()
+            elif "error" in event:
+                child.error = str(event["error"])
+
+    async def start_all(self) -> None:
+        cfg = self.cfg
+        config_file = os.path.join(cfg.run_dir, "config.json")
+        fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(cfg.to_json())
+        for r in range(cfg.model.tp):
+            await self.spawn(f"rank{r}", "hkv.actors.rank", config_file, ["--rank", str(r)])
+        await self.spawn("router", "hkv.actors.router", config_file, [])
+        await self.spawn("api", "hkv.actors.api", config_file, [])
+
+    async def wait_ready(self) -> str | None:
+        """None once every child is ready, else why startup failed."""
+        ready = asyncio.ensure_future(asyncio.gather(*(c.ready.wait() for c in self.children)))
+        died = asyncio.ensure_future(self.first_exit())
+        done, _ = await asyncio.wait({ready, died}, timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        for task in (ready, died):
+            task.cancel()
+        if ready in done:
+            return None
+        if died in done:
+            return died.result()
+        return f"not ready after {READY_TIMEOUT_S:.0f} s"
+
+    async def first_exit(self) -> str:
+        waits = {asyncio.ensure_future(c.proc.wait()): c for c in self.children}
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        child = waits[next(iter(done))]
+        await asyncio.sleep(0.05)  # let its last status line arrive
+        self._on_status(child) if _readable(child.status_fd) else None
+        detail = f": {child.error}" if child.error else ""
+        return f"{child.name} exited with code {child.proc.returncode}{detail}"
+
+    async def stop_children(self, order: list[str]) -> None:
+        """SIGTERM each child in order, waiting for it; SIGKILL what outlives the grace time."""
+        by_name = {c.name: c for c in self.children}
+        for name in order:
+            child = by_name.get(name)
+            if child is None or child.proc.returncode is not None:
+                continue
+            _signal(child, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(child.proc.wait(), STOP_GRACE_S)
+            except asyncio.TimeoutError:
+                log.warning("%s did not stop in %.0f s; killing it", name, STOP_GRACE_S)
+                _signal(child, signal.SIGKILL)
+                await child.proc.wait()
+
+    def cleanup(self) -> None:
+        for region in self.regions:
+            region.close()
+        unlink_instance(self.cfg.server.name)
+        shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+        for fd in (self.lifeline_r, self.lifeline_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def stop_order(self) -> list[str]:
+        return ["api", "router"] + [f"rank{r}" for r in range(self.cfg.model.tp)]
+
+
+def _readable(fd: int) -> bool:
+    import select
+
+    try:
+        return bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
+
+
+def _signal(child: Child, sig: int) -> None:
+    try:
+        child.proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _max_context(path: str) -> int:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    return int(hf.get("text_config", hf)["max_position_embeddings"])
+
+
+async def _supervise(inst: Instance) -> int:
+    """Run until a child dies (exit 1) or a signal drains the instance (exit 0)."""
+    died = asyncio.ensure_future(inst.first_exit())
+    drain = asyncio.ensure_future(inst.draining.wait())
+    await asyncio.wait({died, drain}, return_when=asyncio.FIRST_COMPLETED)
+    if died.done():
+        drain.cancel()
+        reason = died.result()
+        await inst.stop_children(inst.stop_order())
+        print(f"hkv-launch: stopped: {reason}", file=sys.stderr, flush=True)
+        return 1
+    died.cancel()
+    await _drain(inst)
+    return 0
+
+
+async def _drain(inst: Instance) -> None:
+    api = next(c for c in inst.children if c.name == "api")
+    _signal(api, signal.SIGTERM)
+    api_done = asyncio.ensure_future(api.proc.wait())
+    halt = asyncio.ensure_future(inst.halt.wait())
+    await asyncio.wait({api_done, halt}, timeout=inst.cfg.server.drain_timeout_s + STOP_GRACE_S,
+                       return_when=asyncio.FIRST_COMPLETED)
+    halt.cancel()
+    await inst.stop_children(inst.stop_order())
+    print("hkv-launch: drained and stopped", file=sys.stderr, flush=True)
+
+
+def _on_signal(inst: Instance) -> None:
+    if inst.draining.is_set():
+        inst.halt.set()
+    else:
+        log.info("draining: refusing new requests, finishing in-flight ones")
+        inst.draining.set()
+
+
+async def _run(cfg: HkvConfig) -> int:
+    started = time.monotonic()
+    inst = Instance(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, inst)
+    try:
+        inst.create_regions()
+        await inst.start_all()
+        failure = await inst.wait_ready()
+        if failure is not None:
+            await inst.stop_children(inst.stop_order())
+            print(f"hkv-launch: failed to start: {failure}", file=sys.stderr, flush=True)
+            return 1
+        url = f"http://{cfg.server.host}:{cfg.server.port}"
+        print(f"hkv-launch: serving {cfg.model.model} at {url} (ready in {time.monotonic() - started:.1f} s)",
+              flush=True)
+        return await _supervise(inst)
+    finally:
+        await inst.stop_children(inst.stop_order())
+        inst.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cfg = parse_cli(argv)
+    except ConfigError as exc:
+        print(f"hkv-launch: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    setup_logging(cfg.server.log_level, "launch")
+    import uvloop
+
+    raise SystemExit(uvloop.run(_run(cfg)))

@@ -1,0 +1,124 @@
+"""Start real `hkv-launch` processes on loopback and tear them down checking for leftovers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LAUNCH = str(Path(sys.executable).with_name("hkv-launch"))
+READY_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_segments(name: str) -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"hkv-{name}-"))
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of pid (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().split(") ")[-1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    name: str
+    log_path: Path
+    stdout_lines: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def actor_pids(self) -> list[int]:
+        return children_of(self.proc.pid)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"hkv-launch did not exit within {timeout} s\n{self.log()}")
+
+
+def launch(args: list[str], tmp_path: Path, env: dict | None = None) -> Server:
+    """Start hkv-launch and wait for its ready line; raises with its log if it fails."""
+    port = free_port()
+    name = f"t{os.getpid()}_{port}"
+    log_path = tmp_path / f"hkv-{port}.log"
+    log_file = open(log_path, "w")
+    proc = subprocess.Popen(
+        [LAUNCH, "--port", str(port), "--name", name, "--device", "cpu", *args],
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    server = Server(proc, port, name, log_path)
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            server.stdout_lines.append(line)
+            if "serving" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(READY_TIMEOUT_S) or proc.poll() is not None:
+        server.stop(signal.SIGKILL)
+        raise AssertionError(f"hkv-launch did not become ready:\n{''.join(server.stdout_lines)}\n{server.log()}")
+    return server
+
+
+def assert_clean(server: Server, actor_pids: list[int], timeout: float = 30.0) -> None:
+    """Every actor process gone and no shared memory left behind."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(process_alive(p) for p in actor_pids) and not shm_segments(server.name):
+            return
+        time.sleep(0.2)
+    alive = [p for p in actor_pids if process_alive(p)]
+    raise AssertionError(f"left behind: processes {alive}, shm {shm_segments(server.name)}\n{server.log()}")
