@@ -1,0 +1,100 @@
+"""`hkv-inspect` --list / --sweep / --name, run as `python -m tools.inspect`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hkv.ipc.shm import SHM_DIR, Registry, ShmRegion, unlink_instance
+from tools.inspect import InstanceNotFound, inspect_instance, main
+
+REPO = Path(__file__).resolve().parents[2]
+_names = itertools.count()
+
+
+@pytest.fixture
+def instance():
+    """A fresh instance name per test; every segment under it is unlinked after."""
+    name = f"i{os.getpid()}_{next(_names)}"
+    yield name
+    unlink_instance(name)
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"hkv-{name}-")]
+
+
+def make_dead_segment(instance: str, region: str) -> None:
+    """Create a segment from a child process that exits without unlinking it."""
+    code = ("import sys; from hkv.ipc.shm import ShmRegion; "
+            "ShmRegion.create(sys.argv[1], sys.argv[2], 64, 'child')")
+    subprocess.run([sys.executable, "-c", code, instance, region], cwd=REPO, check=True)
+
+
+def inspect_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tools.inspect", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_list_marks_live_and_orphan_segments(instance):
+    make_dead_segment(instance, "dead")
+    with ShmRegion.create(instance, "live", 64, "router"):
+        listed = inspect_cli("--list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        mine = {s["region"]: s for s in json.loads(listed.stdout) if s["instance"] == instance}
+        assert mine["live"]["state"] == "alive" and mine["live"]["creator_pid"] == os.getpid()
+        assert mine["dead"]["state"] == "orphan" and mine["dead"]["alive"] is False
+        assert mine["live"]["size"] == 128 + 64
+
+        text = inspect_cli("--list", "--name", instance)
+        lines = [line.split() for line in text.stdout.splitlines()[1:]]
+        assert text.returncode == 0
+        assert [(w[0], w[1], w[4]) for w in lines] == [
+            (instance, "dead", "orphan"), (instance, "live", "alive")]
+
+
+def test_sweep_removes_only_orphans(instance):
+    make_dead_segment(instance, "dead")
+    with ShmRegion.create(instance, "live", 64, "router"):
+        # --name keeps the sweep to this test's instance; other sessions share /dev/shm.
+        swept = inspect_cli("--sweep", "--name", instance)
+        assert swept.returncode == 0, swept.stderr
+        assert swept.stdout.splitlines() == [f"removed /hkv-{instance}-dead"]
+        again = inspect_cli("--sweep", "--name", instance, "--json")
+        assert json.loads(again.stdout) == {"removed": []}
+        assert os.path.exists(f"{SHM_DIR}/hkv-{instance}-live")
+        assert not os.path.exists(f"{SHM_DIR}/hkv-{instance}-dead")
+
+
+def test_name_reads_the_registry(instance, capsys):
+    with Registry.create(instance, capacity=4) as registry:
+        registry.add("req_table", "router", 1, {"slots": 8})
+        report = inspect_instance(instance)
+        assert report == {"instance": instance, "regions": [{
+            "region": "req_table", "segment": f"/hkv-{instance}-req_table", "writer": "router",
+            "version": 1, "layout": {"slots": 8}, "creator_pid": os.getpid()}]}
+        assert main(["--name", instance, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == report
+        proc = inspect_cli("--name", instance)
+        assert proc.returncode == 0 and "req_table" in proc.stdout
+
+
+def test_unknown_instance_exits_1_with_one_line(instance):
+    with pytest.raises(InstanceNotFound):
+        inspect_instance(instance)
+    proc = inspect_cli("--name", instance)
+    assert proc.returncode == 1
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
+    assert instance in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [[], ["--list", "--sweep"], ["--name", "bad-name"],
+                                  ["--bogus"]])
+def test_bad_usage_exits_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    capsys.readouterr()
