@@ -33,7 +33,7 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRun
     torch.manual_seed(cfg.model.seed)
     loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
     layout = loaded.model.kv_layout(cfg.cache.num_pages, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
-    kv = KVPool(layout)
+    kv = KVPool(layout, loaded.model.layer_map)
     log.info("KV pool: %d pages x %d tokens, %.1f MiB", layout.num_pages, layout.page_size,
              layout.bytes_per_page() * layout.num_pages / 2**20)
     return ModelRunner(loaded.model, kv, None, table, cfg.cache.page_size, cfg.model.device)

@@ -1,0 +1,184 @@
+"""Load an HF checkpoint folder: config.json, safetensors weights (single or sharded), eos ids, weights digest.
+
+Weights are read with safetensors' `safe_open` only (never pickle). The model
+is built on the meta device and materialized on the target device in the
+target dtype, so host memory never holds a second full copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from hkv.models.registry import resolve_family
+from hkv.models.tokenizer import checkpoint_eos_ids
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# checkpoint tensor dtypes we cast from; anything else is a quantized format we do not run
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_NAME = "model.safetensors.index.json"
+
+
+class ModelLoadError(ValueError):
+    """The checkpoint folder is missing something or holds something we cannot load."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module  # a family class from the registry, in eval mode, on the requested device/dtype
+    hf_config: dict  # config.json as read
+    max_context: int  # longest sequence (prompt + output) the model supports: max_position_embeddings
+    eos_token_ids: tuple[int, ...]  # from generation_config.json then config.json, deduplicated
+    weights_digest: str  # sha256 hex over the weight files' names and bytes (part of the cache fingerprint)
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    path: Path
+    tensor_names: tuple[str, ...]  # tensors read from this file, in file order
+
+
+def read_hf_config(folder: Path) -> dict:
+    """config.json of a checkpoint folder; ModelLoadError when the folder or file is missing or invalid."""
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder not found: {folder}")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{folder}: no config.json")
+    try:
+        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from exc
+    if not isinstance(hf_config, dict):
+        raise ModelLoadError(f"{config_path}: expected a JSON object")
+    if hf_config.get("quantization_config"):
+        raise ModelLoadError(f"{folder}: quantized checkpoints are not supported")
+    return hf_config
+
+
+def _shard_header(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(f"{path}: cannot read safetensors header ({exc})") from exc
+
+
+def _indexed_shards(folder: Path, index_path: Path) -> list[WeightShard]:
+    try:
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+    by_file: dict[str, list[str]] = {}
+    for name, file_name in weight_map.items():
+        by_file.setdefault(file_name, []).append(name)
+    shards = []
+    for file_name in sorted(by_file):
+        # the index must name plain files inside this folder
+        if Path(file_name).name != file_name or not file_name.endswith(".safetensors"):
+            raise ModelLoadError(f"{index_path}: bad shard file name {file_name!r}")
+        path = folder / file_name
+        if not path.is_file():
+            raise ModelLoadError(f"{folder}: shard {file_name} named by {_INDEX_NAME} is missing")
+        present = set(_shard_header(path))
+        absent = [n for n in by_file[file_name] if n not in present]
+        if absent:
+            raise ModelLoadError(f"{path}: {len(absent)} tensors listed in the index are not in it, e.g. {absent[0]}")
+        shards.append(WeightShard(path, tuple(by_file[file_name])))
+    return shards
+
+
+def find_weight_shards(folder: Path) -> list[WeightShard]:
+    """The safetensors files and the tensors to read from each; checks the index names real files and tensors."""
+    index_path = folder / _INDEX_NAME
+    if index_path.is_file():
+        return _indexed_shards(folder, index_path)
+    single = folder / "model.safetensors"
+    files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = f" (found {pickled[0]}: pickle-based weights are not supported)" if pickled else ""
+        raise ModelLoadError(f"{folder}: no *.safetensors weights{hint}")
+    shards, seen = [], set()
+    for path in files:
+        names = _shard_header(path)
+        dup = seen.intersection(names)
+        if dup:
+            raise ModelLoadError(f"{path}: tensor {sorted(dup)[0]} is also in another file and there is no index")
+        seen.update(names)
+        shards.append(WeightShard(path, tuple(names)))
+    return shards
+
+
+def iter_tensors(shards: list[WeightShard]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of every shard, with a progress bar on a terminal."""
+    total = sum(len(s.tensor_names) for s in shards)
+    with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr, disable=None) as bar:
+        for shard in shards:
+            with safe_open(str(shard.path), framework="pt", device="cpu") as f:
+                for name in shard.tensor_names:
+                    tensor = f.get_tensor(name)
+                    if tensor.dtype not in _FLOAT_DTYPES:
+                        raise ModelLoadError(
+                            f"{shard.path.name}: tensor {name} has dtype {tensor.dtype}; "
+                            "only float16/bfloat16/float32 checkpoints are supported (no quantized weights)"
+                        )
+                    yield name, tensor
+                    bar.update(1)
+
+
+def weights_digest(paths: list[Path], chunk_bytes: int = 1 << 20) -> str:
+    """sha256 hex over each weight file's name, size and bytes, in name order, read in streaming chunks."""
+    paths = sorted(paths, key=lambda p: p.name)
+    digest = hashlib.sha256()
+    total = sum(p.stat().st_size for p in paths)
+    with tqdm(total=total, desc="hashing weights", unit="B", unit_scale=True, file=sys.stderr, disable=None) as bar:
+        for path in paths:
+            size = path.stat().st_size
+            digest.update(path.name.encode() + b"\0" + size.to_bytes(8, "little"))
+            with open(path, "rb") as f:
+                while chunk := f.read(chunk_bytes):
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def _build_empty(family: type, cfg: object, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    # construct without allocating or initializing, then allocate once on the target device
+    with torch.device("meta"):
+        model = family(cfg)
+    return model.to(dtype=dtype).to_empty(device=device)
+
+
+def load_model(path: str | Path, dtype: str, device: str) -> LoadedModel:
+    """Build the checkpoint's model family on `device` in `dtype` and load its weights.
+
+    dtype: float32 | bfloat16 | float16 (resolved, never "auto"). Raises ModelLoadError for
+    a missing folder/config/weights/shard or unsupported tensors, ValueError for an
+    unsupported model_type or config variant, WeightLoadError when tensors do not match.
+    """
+    if dtype not in TORCH_DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} not one of {sorted(TORCH_DTYPES)}")
+    folder = Path(path)
+    hf_config = read_hf_config(folder)
+    family = resolve_family(hf_config)
+    cfg = family.config_class.from_hf(hf_config)
+    shards = find_weight_shards(folder)
+    model = _build_empty(family, cfg, TORCH_DTYPES[dtype], device)
+    model.load_weights(iter_tensors(shards))
+    model.eval()
+    return LoadedModel(
+        model=model,
+        hf_config=hf_config,
+        max_context=cfg.max_position_embeddings,
+        eos_token_ids=checkpoint_eos_ids(folder),
+        weights_digest=weights_digest([s.path for s in shards]),
+    )

@@ -1,0 +1,322 @@
+"""Qwen3 dense (model_type "qwen3", Qwen3ForCausalLM) in pure torch over paged KV.
+
+Every model family exposes the same interface to the loader and the runner:
+
+    Family.config_class.from_hf(hf_config_dict) -> frozen config with
+        vocab_size, max_position_embeddings, ...
+    Family(cfg)                                  parameters named as in the HF checkpoint
+    .load_weights(named_tensors)                 copies HF-named tensors in; raises WeightLoadError
+    .kv_layout(num_pages, page_size, dtype, device) -> KVLayout, and .layer_map (model -> storage layer)
+    .state_layout(...)                           None for dense models
+    .forward(batch, kv, state=None)              fp32 logits [S, vocab] for batch.logits_indices
+
+Names: T new tokens in the batch, S tokens whose logits are returned, H hidden
+size, Hq query heads, Hkv KV heads, D head dim, L tokens in one sequence's KV.
+The paged attention here is the reference path (a loop over sequences).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hkv.models.batch import ForwardBatch
+from hkv.storage.kv_pool import KVLayout, KVPool
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint's tensors do not match the model's parameters (missing, unexpected or mis-shaped)."""
+
+
+def default_rope_theta(d: dict) -> float:
+    """rope_theta of a default (unscaled) rope; refuses every other rope type.
+
+    Reads transformers 5's `rope_parameters` or the legacy `rope_scaling` / `rope_theta` keys.
+    """
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported (only the default rope is)")
+    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "Qwen3Config":
+        """Parse a Qwen3 config.json dict; raises ValueError for variants this model does not run."""
+        if d.get("model_type", "qwen3") != "qwen3":
+            raise ValueError(f"Qwen3Config.from_hf got model_type {d.get('model_type')!r}, expected 'qwen3'")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only silu)")
+        layer_types = d.get("layer_types") or []
+        if d.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+            raise ValueError("sliding-window attention layers are not supported for qwen3")
+        heads = d["num_attention_heads"]
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            max_position_embeddings=d["max_position_embeddings"],
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=default_rope_theta(d),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+        )
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm: normalize in fp32, cast back, then scale by `weight` (initialized to ones)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # cast before scaling, as transformers does, so bf16 rounding matches
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary:
+    """Default rope: cos/sin tables for given positions (not a module, so it holds no weights)."""
+
+    def __init__(self, rot_dim: int, theta: float) -> None:
+        self.rot_dim = rot_dim
+        self.theta = theta
+        # computed on the CPU (even under a meta-device context), like transformers, so every device agrees
+        exponents = torch.arange(0, rot_dim, 2, dtype=torch.float, device="cpu") / rot_dim
+        self.inv_freq = 1.0 / (theta**exponents)  # [D/2]
+        self._per_device: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 -> cos, sin: [T, rot_dim] in `dtype`."""
+        inv_freq = self._per_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._per_device.setdefault(positions.device, self.inv_freq.to(positions.device))
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos, sin: [T, D] -> [T, heads, D] (rotates all D dims)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one sequence's n new queries over its L cached keys (the new ones last).
+
+    q: [n, Hq, D]; k, v: [L, Hkv, D] -> [n, Hq, D]. Query i sits at position L - n + i
+    and sees keys 0 .. L - n + i: causal among the new tokens, full over the prefix.
+    """
+    n, L = q.shape[0], k.shape[0]
+    mask = None
+    if n > 1:
+        key_pos = torch.arange(L, device=q.device)
+        query_pos = torch.arange(L - n, L, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [n, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [Hq, n, D]
+    return out.transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Reference paged attention: each sequence's new queries over its K/V read through its page-table row.
+
+    q: [T, Hq, D] (all new tokens, batch order) -> [T, Hq, D]. The new tokens' K/V must
+    already be written to the pool. Loops over sequences; the GPU path replaces this.
+    """
+    out = torch.empty_like(q)
+    for b, start in enumerate(batch.q_starts):
+        n, kv_len = batch.q_lens[b], batch.kv_lens[b]
+        if n == 0:
+            continue
+        k, v = kv.gather(layer, batch.page_table[b], kv_len)  # [L, Hkv, D]
+        out[start : start + n] = attend(q[start : start + n], k, v, scale)
+    return out
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.scale = cfg.head_dim**-0.5
+        q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        # per-head norms over D, before rope
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVPool
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))  # [T, Hq, D]
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.write(self.layer_idx, batch.slot_mapping, k, v)
+        out = paged_attention(q, kv, self.layer_idx, batch, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, H]
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, layer_idx)
+        self.mlp = Qwen3MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVPool
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))  # [T, H]
+
+
+class Qwen3Model(nn.Module):
+    """The decoder stack; named `model` inside the causal LM so parameter names equal HF's."""
+
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def load_params(
+    module: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], skip: Callable[[str], bool]
+) -> None:
+    """Copy checkpoint tensors onto `module`'s parameters by exact name (cast to each parameter's dtype/device).
+
+    Names for which `skip(name)` is true are ignored. Raises WeightLoadError naming
+    missing, unexpected or mis-shaped tensors; every parameter must be loaded once.
+    """
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in named_tensors:
+        if skip(name):
+            continue
+        param = params.get(name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise WeightLoadError(
+                f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        raise WeightLoadError(
+            f"checkpoint does not match the model: {len(missing)} missing {missing[:5]}, "
+            f"{len(unexpected)} unexpected {sorted(unexpected)[:5]}"
+        )
+
+
+class Qwen3ForCausalLM(nn.Module):
+    config_class = Qwen3Config
+
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Qwen3Model(cfg)
+        # tied checkpoints reuse the embedding matrix as the output projection
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    @property
+    def layer_map(self) -> dict[int, int]:
+        """Model layer -> KV storage layer: every Qwen3 layer is full attention."""
+        return {i: i for i in range(self.cfg.num_hidden_layers)}
+
+    def kv_layout(self, num_pages: int, page_size: int, dtype: str, device: str) -> KVLayout:
+        cfg = self.cfg
+        return KVLayout(
+            num_layers=cfg.num_hidden_layers,
+            num_pages=num_pages,
+            page_size=page_size,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=dtype,
+            device=device,
+            layer_ids=tuple(range(cfg.num_hidden_layers)),
+        )
+
+    def state_layout(self, num_slots: int = 0, device: str = "cpu", dtype: str = "float32") -> None:
+        """Dense models keep no linear-attention state."""
+        return None
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (model.embed_tokens.weight, model.layers.N..., lm_head.weight) in."""
+        tied = self.cfg.tie_word_embeddings
+
+        def skip(name: str) -> bool:
+            # rope tables are recomputed; a tied checkpoint may still carry a copy of the embedding
+            return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+        load_params(self, named_tensors, skip)
+
+    def forward(self, batch: ForwardBatch, kv: KVPool, state: object = None) -> torch.Tensor:
+        """fp32 logits [S, vocab] of the rows batch.logits_indices; writes the new tokens' K/V into `kv`."""
+        x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, D]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, kv)
+        # the final norm is per token, so only the rows we return need it
+        h = self.model.norm(x[batch.logits_indices])  # [S, H]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()  # [S, vocab]

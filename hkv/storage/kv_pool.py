@@ -1,0 +1,124 @@
+"""Device pool of attention KV pages for the full-attention layers of a model.
+
+Only full-attention layers store K/V; model layer i keeps its pages at storage
+layer `layer_map[i]`. A page holds `page_size` consecutive token positions of
+one sequence; a flat slot addresses one token position in one page:
+
+    k, v      [storage_layers, num_pages, page_size, kv_heads, head_dim]
+    slot      = page * page_size + offset          (0 <= offset < page_size)
+
+The router owns which page belongs to whom; the pool only reads and writes by
+slot or page id. `write` and `gather` are the pure-torch CPU reference paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and placement of a KVPool; pools with equal layouts hold interchangeable pages."""
+
+    num_layers: int  # storage layers: the model's full-attention layers only
+    num_pages: int
+    page_size: int  # token positions per page
+    kv_heads: int
+    head_dim: int
+    dtype: str  # float32 | bfloat16 | float16
+    device: str  # cpu | cuda | cuda:N
+    layer_ids: tuple[int, ...] = ()  # model layer index of each storage layer, in order; () = 0..num_layers-1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"KV dtype {self.dtype!r} not one of {sorted(_DTYPES)}")
+        for name in ("num_layers", "num_pages", "page_size", "kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
+        if self.layer_ids and len(self.layer_ids) != self.num_layers:
+            raise ValueError(f"{len(self.layer_ids)} layer_ids for {self.num_layers} storage layers")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of the K tensor (and of the V tensor)."""
+        return (self.num_layers, self.num_pages, self.page_size, self.kv_heads, self.head_dim)
+
+    def bytes_per_page(self) -> int:
+        """Bytes one page occupies across all storage layers, K and V together."""
+        per_layer = self.page_size * self.kv_heads * self.head_dim * _DTYPES[self.dtype].itemsize
+        return 2 * self.num_layers * per_layer
+
+
+class KVPool:
+    """The K and V tensors of all pages, allocated zeroed."""
+
+    def __init__(self, layout: KVLayout, layer_map: dict[int, int] | None = None) -> None:
+        """Zeroed K/V; `layer_map` (model layer -> storage layer) defaults to the one layout.layer_ids implies."""
+        self.layout: KVLayout = layout
+        dtype, device = layout.torch_dtype, torch.device(layout.device)
+        self.k: torch.Tensor = torch.zeros(layout.shape, dtype=dtype, device=device)
+        self.v: torch.Tensor = torch.zeros(layout.shape, dtype=dtype, device=device)
+        layer_ids = layout.layer_ids or tuple(range(layout.num_layers))
+        implied = {layer: i for i, layer in enumerate(layer_ids)}
+        self.layer_map: dict[int, int] = dict(layer_map) if layer_map is not None else implied
+        if sorted(self.layer_map.values()) != list(range(layout.num_layers)):
+            raise ValueError(
+                f"layer_map must map onto storage layers 0..{layout.num_layers - 1} once each, got {self.layer_map}"
+            )
+
+    @property
+    def num_pages(self) -> int:
+        return self.layout.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def num_slots(self) -> int:
+        return self.layout.num_pages * self.layout.page_size
+
+    def _storage(self, layer: int) -> int:
+        if layer not in self.layer_map:
+            raise KeyError(f"model layer {layer} has no KV storage (not a full-attention layer)")
+        return self.layer_map[layer]
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of new tokens of model layer `layer` at their flat slots.
+
+        slot_mapping: [T] int64 flat slots; k, v: [T, kv_heads, head_dim] (cast to the pool dtype).
+        Mutates only the T addressed slots of that layer; slots must be distinct.
+        """
+        s = self._storage(layer)
+        lay = self.layout
+        # [pages * page_size, kv_heads, head_dim] views share storage with the pool
+        k_flat = self.k[s].view(-1, lay.kv_heads, lay.head_dim)
+        v_flat = self.v[s].view(-1, lay.kv_heads, lay.head_dim)
+        k_flat.index_copy_(0, slot_mapping, k.to(lay.torch_dtype))
+        v_flat.index_copy_(0, slot_mapping, v.to(lay.torch_dtype))
+
+    def gather(self, layer: int, page_row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of positions [0, length) of one sequence, read through its page-table row.
+
+            page_row:  p0 p1 p2 ...          (only the first ceil(length / page_size) are read)
+            positions: [p0: 0..ps-1][p1: ps..2ps-1][p2: 2ps..length-1]
+
+        Returns k, v: [length, kv_heads, head_dim] (copies; the pool is not mutated).
+        """
+        s = self._storage(layer)
+        lay = self.layout
+        n_pages = -(-length // lay.page_size)
+        if page_row.shape[0] < n_pages:
+            raise ValueError(f"page-table row has {page_row.shape[0]} pages, {length} tokens need {n_pages}")
+        pages = page_row[:n_pages]
+        k = self.k[s].index_select(0, pages).reshape(-1, lay.kv_heads, lay.head_dim)[:length]  # [L, Hkv, D]
+        v = self.v[s].index_select(0, pages).reshape(-1, lay.kv_heads, lay.head_dim)[:length]  # [L, Hkv, D]
+        return k, v

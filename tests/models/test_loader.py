@@ -1,0 +1,145 @@
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hkv.models.loader import ModelLoadError, load_model, weights_digest
+from hkv.models.qwen3 import WeightLoadError
+from hkv.models.registry import FAMILIES, resolve_family
+from tests.models.test_qwen3 import hf_tiny_qwen3
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("loader")
+    model = hf_tiny_qwen3(tied=False, seed=3)
+    model.generation_config.eos_token_id = [7, 5]
+    model.config.eos_token_id = 5
+    model.save_pretrained(root / "single")
+    model.save_pretrained(root / "sharded", max_shard_size="40KB")
+    return {"single": root / "single", "sharded": root / "sharded"}
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_single_and_sharded_load_the_same_weights(saved):
+    single = load_model(saved["single"], "float32", "cpu")
+    sharded = load_model(saved["sharded"], "float32", "cpu")
+    shards = sorted(p.name for p in saved["sharded"].glob("*.safetensors"))
+    assert len(shards) > 2
+    a, b = dict(single.model.named_parameters()), dict(sharded.model.named_parameters())
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in a.values())
+    assert not single.model.training
+
+
+def test_loaded_model_metadata(saved):
+    loaded = load_model(saved["single"], "bfloat16", "cpu")
+    assert loaded.max_context == 512
+    assert loaded.eos_token_ids == (7, 5)  # generation_config first, then config.json, deduplicated
+    assert loaded.hf_config["model_type"] == "qwen3"
+    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+    assert len(loaded.weights_digest) == 64
+
+
+def test_weights_digest_is_stable_and_content_based(saved, tmp_path):
+    first = load_model(saved["single"], "float32", "cpu").weights_digest
+    copy = _copy(saved["single"], tmp_path / "copy")
+    assert load_model(copy, "float32", "cpu").weights_digest == first
+    assert weights_digest([copy / "model.safetensors"], chunk_bytes=1000) == first  # chunking does not matter
+    tensors = load_file(copy / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    assert load_model(copy, "float32", "cpu").weights_digest != first
+
+
+def test_missing_folder_config_and_weights(saved, tmp_path):
+    with pytest.raises(ModelLoadError, match="model folder not found"):
+        load_model(tmp_path / "nope", "float32", "cpu")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(empty, "float32", "cpu")
+    no_weights = _copy(saved["single"], tmp_path / "no_weights")
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"no \*.safetensors weights"):
+        load_model(no_weights, "float32", "cpu")
+    (no_weights / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ModelLoadError, match="pickle-based weights are not supported"):
+        load_model(no_weights, "float32", "cpu")
+
+
+def test_missing_shard_and_bad_index(saved, tmp_path):
+    folder = _copy(saved["sharded"], tmp_path / "missing_shard")
+    victim = sorted(folder.glob("*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(ModelLoadError, match=f"shard {victim.name} named by model.safetensors.index.json is missing"):
+        load_model(folder, "float32", "cpu")
+
+    folder = _copy(saved["sharded"], tmp_path / "bad_index")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first_file = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"]["model.ghost.weight"] = first_file
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="not in it, e.g. model.ghost.weight"):
+        load_model(folder, "float32", "cpu")
+
+    index["weight_map"]["model.ghost.weight"] = "../outside.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="bad shard file name"):
+        load_model(folder, "float32", "cpu")
+
+
+def _rewrite_weights(folder: Path, edit) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_weight_mismatches_are_named(saved, tmp_path):
+    folder = _copy(saved["single"], tmp_path / "missing_tensor")
+    _rewrite_weights(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(WeightLoadError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(folder, "float32", "cpu")
+
+    folder = _copy(saved["single"], tmp_path / "extra_tensor")
+    _rewrite_weights(folder, lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}))
+    with pytest.raises(WeightLoadError, match="1 unexpected"):
+        load_model(folder, "float32", "cpu")
+
+    folder = _copy(saved["single"], tmp_path / "int_tensor")
+    _rewrite_weights(folder, lambda t: t.update({"model.norm.weight": torch.zeros(64, dtype=torch.int8)}))
+    with pytest.raises(ModelLoadError, match="model.norm.weight has dtype torch.int8"):
+        load_model(folder, "float32", "cpu")
+
+
+def test_config_problems(saved, tmp_path):
+    folder = _copy(saved["single"], tmp_path / "cfg")
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    with pytest.raises(ModelLoadError, match="dtype 'auto'"):
+        load_model(folder, "auto", "cpu")
+    config_path.write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*supported: .*qwen3"):
+        load_model(folder, "float32", "cpu")
+    config_path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ModelLoadError, match="quantized checkpoints are not supported"):
+        load_model(folder, "float32", "cpu")
+    config_path.write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load_model(folder, "float32", "cpu")
+
+
+def test_registry():
+    assert FAMILIES["qwen3"] == "hkv.models.qwen3:Qwen3ForCausalLM"
+    assert resolve_family({"model_type": "qwen3"}).__name__ == "Qwen3ForCausalLM"
+    with pytest.raises(ValueError, match="unsupported model_type None"):
+        resolve_family({})
