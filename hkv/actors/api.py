@@ -1,0 +1,385 @@
+"""The api actor: the OpenAI-compatible HTTP front of one hkv instance.
+
+    client --HTTP/SSE--> handlers --RouterLink--> router
+                            ^-- RequestStream <-- deltas
+
+Each generation request is validated (hkv/openai/protocol.py) and tokenized
+before anything is queued, fans out into one GenerateRequest per choice, and
+reads its sequences' deltas from a RequestStream. Text is detokenized and
+stop strings are matched here (hkv/openai/generation.py); the router handles
+EOS and max_tokens. A client that goes away aborts its sequences at once.
+
+On SIGTERM (`ctx.stop`) the api drains: new requests get 503, in-flight ones
+finish within `server.drain_timeout_s`, then the server closes and `serve`
+returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import jinja2
+import msgspec
+import orjson
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from hkv.config import HkvConfig
+from hkv.ipc.channel import Receiver, Sender
+from hkv.ipc.messages import Inbound, Outbound
+from hkv.ipc.process import ActorContext, run_actor
+from hkv.models.tokenizer import Tokenizer, TokenizerError
+from hkv.openai.generation import ChoiceUpdate, Generation
+from hkv.openai.metrics import ApiMetrics
+from hkv.openai.protocol import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    ModelLimits,
+    Options,
+    ProtocolError,
+    decode_body,
+    parse_chat,
+    parse_completion,
+    plan_sequences,
+)
+from hkv.openai.responses import DONE_FRAME, ChatFormat, CompletionFormat, error_body, error_frame
+from hkv.openai.router_link import RequestStream, RouterLink
+
+log = logging.getLogger("hkv.api")
+
+AUTH_PREFIXES = ("/v1/", "/cache/")  # probes and metrics stay open for orchestrators
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+THREAD_TOKENIZE_CHARS = 32_768  # bigger prompts are tokenized off the event loop
+ABORT_GRACE_S = 5.0  # after the drain timeout: time for aborted handlers to finish
+HTTP_ERRORS = {404: ("not found", "not_found"), 405: ("method not allowed", "method_not_allowed")}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Format = CompletionFormat | ChatFormat
+
+
+def _error(
+    status: int, message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> web.Response:
+    body = error_body(message, error_type, param, code)
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+def _json(payload: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _endpoint(request: web.Request) -> str:
+    """The route's template, so unknown paths cannot blow up label cardinality."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+class Api:
+    """Routes, handlers and drain state of the HTTP front."""
+
+    def __init__(
+        self, cfg: HkvConfig, link: RouterLink, tokenizer: Tokenizer, limits: ModelLimits, metrics: ApiMetrics
+    ):
+        self.cfg = cfg
+        self.link = link
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.metrics = metrics
+        self.draining = False
+        self._active = 0  # generation handlers running
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._seeds = random.Random()  # seeds for requests that bring none
+        self._started = int(time.time())
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.server.max_body_bytes, middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_post("/cache/flush", self.cache_flush)
+        return app
+
+    # ---- middlewares -------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every failure becomes OpenAI error JSON; only our own bugs are 5xx."""
+        endpoint = _endpoint(request)
+        try:
+            response = await handler(request)
+        except ProtocolError as exc:
+            response = _error(exc.status, exc.message, exc.error_type, exc.param, exc.code)
+        except web.HTTPException as exc:
+            message, code = HTTP_ERRORS.get(exc.status, (exc.reason.lower(), None))
+            message = f"{message}: {request.method} {request.path}"
+            response = _error(exc.status, message, "invalid_request_error", None, code)
+            if "Allow" in exc.headers:
+                response.headers["Allow"] = exc.headers["Allow"]
+        except asyncio.CancelledError:
+            self.metrics.observe_request(endpoint, 499)  # the client went away
+            raise
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            response = _error(500, "internal server error", "server_error")
+        self.metrics.observe_request(endpoint, response.status)
+        return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.cfg.server.api_key
+        if key and request.path.startswith(AUTH_PREFIXES):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                message = "Invalid or missing API key (send Authorization: Bearer <key>)."
+                raise ProtocolError(401, message, None, "invalid_api_key")
+        return await handler(request)
+
+    # ---- generation endpoints ----------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
+        req = parse_completion(await self._read_json(request), self.limits)
+        size = sum(len(p) for p in req.prompts if isinstance(p, str))
+        prompts = await self._tokenize(lambda: self._completion_prompts(req), size)
+        opts = req.options
+        fmt = CompletionFormat(self.limits.model_id, self.tokenizer, opts.return_token_ids, opts.include_usage)
+        return await self._generate(request, arrived, opts, prompts, fmt, COMPLETION_DEFAULT_MAX_TOKENS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
+        req = parse_chat(await self._read_json(request), self.limits)
+        size = sum(len(m.content) for m in req.messages)
+        prompts = await self._tokenize(lambda: [self._chat_prompt(req)], size)
+        opts = req.options
+        fmt = ChatFormat(self.limits.model_id, self.tokenizer, opts.return_token_ids, opts.include_usage)
+        return await self._generate(request, arrived, opts, prompts, fmt, None)
+
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        limit = self.cfg.server.max_body_bytes
+        message = f"request body is larger than the limit of {limit} bytes"
+        too_large = ProtocolError(413, message, None, "request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        return decode_body(body)
+
+    async def _tokenize(self, work: Callable[[], list[list[int]]], chars: int) -> list[list[int]]:
+        if chars > THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(work)
+        return work()
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        return [
+            list(p) if isinstance(p, tuple) else self.tokenizer.encode(p, add_special_tokens=True) for p in req.prompts
+        ]
+
+    def _chat_prompt(self, req: ChatRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except (jinja2.TemplateError, TokenizerError) as exc:  # raise_exception in the template, or no template
+            raise ProtocolError(400, f"the chat template rejected the messages: {exc}", "messages") from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _admit(self, sequences: int) -> None:
+        if self.draining:
+            raise ProtocolError(503, "the server is shutting down", None, "draining")
+        if not self.link.ready:
+            raise ProtocolError(503, "the engine is not ready", None, "not_ready")
+        limit = self.cfg.scheduler.max_queued_requests
+        if self.link.in_flight + sequences > limit:
+            raise ProtocolError(429, f"too many requests in flight (limit {limit} sequences)", None, "overloaded")
+        if not self.link.has_room(sequences):
+            raise ProtocolError(503, "the engine is not keeping up; retry later", None, "overloaded")
+
+    async def _generate(
+        self,
+        request: web.Request,
+        arrived: float,
+        options: Options,
+        prompts: Sequence[list[int]],
+        fmt: Format,
+        default_cap: int | None,
+    ) -> web.StreamResponse:
+        seed = self._seeds.getrandbits(62)
+        plans = plan_sequences([len(p) for p in prompts], options, self.limits, default_cap, seed)
+        self._admit(len(plans))
+        bound = sum(p.sampling.max_tokens + 2 for p in plans)
+        stream = self.link.open([(prompts[p.prompt_index], p.sampling) for p in plans], bound)
+        want_logprobs = options.logprobs is not None
+        gen = Generation(plans, stream.req_ids, prompts, self.tokenizer, options.stop, want_logprobs, arrived)
+        self._enter()
+        try:
+            if options.stream:
+                return await self._stream(request, gen, stream, fmt)
+            return await self._collect(gen, stream, fmt)
+        finally:
+            self.link.close(stream)
+            self.metrics.observe_generation(gen)
+            self._leave()
+
+    def _apply(self, gen: Generation, stream: RequestStream, deltas: list) -> list[ChoiceUpdate]:
+        updates = []
+        for delta in deltas:
+            update = gen.apply(delta)
+            if update is None:
+                continue
+            if update.stop_hit:
+                self.link.abort(stream, delta.req_id)
+            updates.append(update)
+        return updates
+
+    async def _collect(self, gen: Generation, stream: RequestStream, fmt: Format) -> web.Response:
+        while not gen.done:
+            self._apply(gen, stream, await stream.next_batch())
+        if gen.error is not None:
+            return _error(500, f"generation failed: {gen.error}", "server_error")
+        return web.Response(body=fmt.response(gen), content_type="application/json")
+
+    async def _stream(
+        self, request: web.Request, gen: Generation, stream: RequestStream, fmt: Format
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            await response.write(fmt.start_frames(gen))
+            while not gen.done:
+                updates = self._apply(gen, stream, await stream.next_batch())
+                frames = b"".join(fmt.chunk(u) for u in updates)
+                if frames:
+                    await response.write(frames)
+            tail = []
+            if gen.error is not None:
+                tail.append(error_frame(f"generation failed: {gen.error}", "server_error"))
+            if fmt.include_usage:
+                tail.append(fmt.usage_frame(gen.usage()))
+            await response.write(b"".join(tail) + DONE_FRAME)
+            await response.write_eof()
+        except ConnectionResetError:
+            log.info("client closed a stream early; aborting its sequences")
+        except Exception:  # headers are sent: the middleware can no longer answer with JSON
+            log.exception("stream failed mid-response")
+            self.metrics.observe_request(_endpoint(request), 500)
+        return response
+
+    # ---- other endpoints ---------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.limits.model_id,
+            "object": "model",
+            "created": self._started,
+            "owned_by": "hkv",
+            "max_model_len": self.limits.max_seq_len,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.link.alive:
+            return _json({"status": "ok"})
+        return _json({"status": "engine dead"}, 503)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ok = self.link.ready and not self.draining
+        state = self.link.state
+        engine = None if state is None else msgspec.structs.asdict(state)
+        return _json({"ready": ok, "draining": self.draining, "engine": engine}, 200 if ok else 503)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        self.metrics.observe_engine(self.link.state)
+        self.metrics.in_flight.set(self._active)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def cache_flush(self, request: web.Request) -> web.Response:
+        # No prefix cache is wired to the api yet (no flush message on the router link): nothing to drop.
+        return _json({"flushed": 0})
+
+    # ---- drain ---------------------------------------------------------------
+
+    def _enter(self) -> None:
+        self._active += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._idle.set()
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new work, let in-flight requests finish, abort what is left after `timeout`."""
+        self.draining = True
+        log.info("draining: %d requests in flight", self._active)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return
+        except TimeoutError:
+            log.warning("drain timed out after %.1fs; aborting %d requests", timeout, self._active)
+        self.link.fail_all("the server is shutting down", "abort")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
+
+
+def _site_url(runner: web.AppRunner) -> str:
+    host, port = runner.addresses[0][:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
+    """Actor body: serve HTTP until ctx.stop, then drain and return."""
+    tokenizer = Tokenizer.from_folder(cfg.model.path)
+    limits = ModelLimits.from_checkpoint(cfg.model.path, cfg.model.model, cfg.cache.max_total_tokens)
+    zctx = zmq.asyncio.Context()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            receiver: Receiver[Outbound] = Receiver(zctx, cfg.ipc_address("api_in"), Outbound, "api_in")
+            sender: Sender[Inbound] = Sender(zctx, cfg.ipc_address("router_in"), "router_in")
+            outbox_bound = 2 * cfg.scheduler.max_queued_requests + 64
+            link = await stack.enter_async_context(RouterLink(receiver, sender, outbox_bound))
+            metrics = ApiMetrics({"api_in": lambda: receiver.malformed, "router_deltas": lambda: link.malformed})
+            api = Api(cfg, link, tokenizer, limits, metrics)
+            # handler_cancellation: a client that hangs up cancels its handler, which aborts its sequences
+            runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+            await runner.setup()
+            stack.push_async_callback(runner.cleanup)
+            await web.TCPSite(runner, cfg.server.host, cfg.server.port).start()
+            url = _site_url(runner)
+            # Report ready only once the router can admit, so the launcher's ready line means /ready is 200.
+            await _first_of(link.first_ready.wait(), ctx.stop.wait())
+            if link.ready:
+                log.info("serving %s on %s", limits.model_id, url)
+                ctx.ready(url=url)
+            await ctx.stop.wait()
+            await api.drain(cfg.server.drain_timeout_s)
+    finally:
+        zctx.destroy(linger=0)
+
+
+async def _first_of(*aws) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in tasks:
+        task.cancel()
+
+
+def main() -> None:
+    run_actor("api", serve)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Prometheus metrics of the api actor, in a private registry (names `hkv_*`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from hkv.ipc.messages import EngineState
+from hkv.openai.generation import Generation
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+
+
+class _MalformedCollector:
+    """Reads the link counters at scrape time (they live in the channel objects)."""
+
+    def __init__(self, sources: dict[str, Callable[[], int]]):
+        self._sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "hkv_malformed_messages", "Messages dropped: they did not decode or broke the contract", labels=["link"]
+        )
+        for link, read in self._sources.items():
+            family.add_metric([link], read())
+        yield family
+
+
+class ApiMetrics:
+    def __init__(self, malformed_sources: dict[str, Callable[[], int]]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "hkv_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("hkv_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("hkv_generation_tokens", "Generated tokens", registry=r)
+        self.cached_tokens = Counter("hkv_cached_tokens", "Prompt tokens served from the cache", registry=r)
+        self.in_flight = Gauge("hkv_requests_in_flight", "Generation requests being served", registry=r)
+        self.ttft = Histogram(
+            "hkv_time_to_first_token_seconds", "Request arrival to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "hkv_time_per_output_token_seconds", "Mean gap between output tokens", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.engine_ready = Gauge("hkv_engine_ready", "1 when the router can admit work", registry=r)
+        self.engine_waiting = Gauge("hkv_engine_waiting_requests", "Requests queued at the router", registry=r)
+        self.engine_running = Gauge("hkv_engine_running_requests", "Requests holding KV pages", registry=r)
+        r.register(_MalformedCollector(malformed_sources))
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def observe_generation(self, gen: Generation) -> None:
+        usage = gen.usage()
+        self.prompt_tokens.inc(usage["prompt_tokens"])
+        self.generation_tokens.inc(usage["completion_tokens"])
+        self.cached_tokens.inc(usage["prompt_tokens_details"]["cached_tokens"])
+        for choice in gen.choices:
+            if choice.first_token_at is None:
+                continue
+            self.ttft.observe(choice.first_token_at - gen.started_at)
+            if choice.finished_at is not None and len(choice.token_ids) > 1:
+                self.tpot.observe((choice.finished_at - choice.first_token_at) / (len(choice.token_ids) - 1))
+
+    def observe_engine(self, state: EngineState | None) -> None:
+        if state is not None:
+            self.engine_ready.set(1 if state.ready and state.alive else 0)
+            self.engine_waiting.set(state.waiting)
+            self.engine_running.set(state.running)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

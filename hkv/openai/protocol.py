@@ -1,0 +1,460 @@
+"""OpenAI request bodies -> typed, validated, frozen requests.
+
+Everything a client can get wrong is caught here, before anything is queued,
+and raised as `ProtocolError` (an HTTP 4xx carrying OpenAI's error fields).
+Two stages:
+
+1. `parse_completion` / `parse_chat` check the JSON shape, types and ranges
+   (no tokenizer needed). JSON null and an absent field mean the same thing;
+   unknown fields are ignored because clients send them.
+2. Once the prompts are tokenized, `plan_sequences` checks token counts
+   against the context length and the KV capacity and fans each prompt out
+   into `n` sequences with their own seeds.
+
+Defaults: `max_tokens` absent means 16 for /v1/completions (as OpenAI does)
+and "whatever fits" for /v1/chat/completions, both capped by the room left in
+the context and the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from hkv.ipc.messages import SamplingParams
+
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
+MAX_SEQUENCES = 128  # n * prompts
+MAX_STOPS = 4
+MAX_LOGPROBS = 5
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SEED_MODULUS = 2**63  # seeds handed to the router lie in [0, 2**63)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+IMAGE_PARTS = frozenset({"image_url", "image", "input_image"})
+AUDIO_PARTS = frozenset({"input_audio", "audio"})
+
+
+class ProtocolError(Exception):
+    """A request the server refuses: HTTP status plus OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def error_type(self) -> str:
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+
+def _bad(param: str | None, message: str, code: str | None = None) -> ProtocolError:
+    return ProtocolError(400, message, param, code)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model and the cache allow, read once at startup."""
+
+    model_id: str  # the id clients see in /v1/models and responses
+    aliases: frozenset[str]  # other values of `model` we accept (the resolved path)
+    vocab_size: int
+    context_len: int  # max_position_embeddings
+    kv_capacity: int  # device KV cache capacity in tokens (--max-total-tokens)
+
+    @property
+    def max_seq_len(self) -> int:
+        """Prompt plus completion tokens one sequence may hold."""
+        return min(self.context_len, self.kv_capacity)
+
+    def accepts_model(self, name: str) -> bool:
+        return name == self.model_id or name in self.aliases
+
+    @classmethod
+    def from_checkpoint(cls, folder: str | Path, model_id: str, kv_capacity: int) -> "ModelLimits":
+        """Read vocab_size and max_position_embeddings from config.json (text_config for composites)."""
+        raw = json.loads(Path(folder, "config.json").read_text(encoding="utf-8"))
+        text_cfg = raw.get("text_config") or {}
+        vocab = raw.get("vocab_size") or text_cfg.get("vocab_size")
+        if not isinstance(vocab, int) or vocab <= 0:
+            raise ValueError(f"{folder}/config.json: no positive vocab_size")
+        context = raw.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
+        if not isinstance(context, int) or context <= 0:
+            context = kv_capacity  # no declared limit: the cache is the only bound
+        aliases = frozenset({str(folder), str(Path(folder).resolve())})
+        return cls(model_id, aliases, vocab, context, kv_capacity)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Generation options shared by both endpoints, already range-checked."""
+
+    max_tokens: int | None  # None: the endpoint's default, resolved per prompt
+    temperature: float
+    top_p: float
+    top_k: int | None  # None keeps every token
+    seed: int | None  # None: the api draws one
+    stop: tuple[str, ...]
+    n: int
+    logprobs: int | None  # alternatives per token (0..5); None: no logprobs
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: tuple[str | tuple[int, ...], ...]  # text or token ids, one per batch entry
+    options: Options
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str  # text parts joined with "\n"
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[ChatMessage, ...]
+    options: Options
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """One GenerateRequest to be: which choice it fills and how it samples."""
+
+    choice: int  # index in the response's `choices`
+    prompt_index: int  # which prompt of the request it continues
+    sampling: SamplingParams
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """Raw bytes -> JSON object; invalid UTF-8, lone surrogates, NaN and inf are refused."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _bad(None, "request body is not valid UTF-8") from None
+        raise _bad(None, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise _bad(None, "request body must be a JSON object")
+    return obj
+
+
+# ---- typed field readers ------------------------------------------------------
+
+
+def _opt_int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int:  # bool is an int subclass but never a count
+        raise _bad(name, f"`{name}` must be an integer, got {_json_type(value)}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+        raise _bad(name, f"`{name}` must be {bound}, got {value}")
+    return value
+
+
+def _opt_float(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise _bad(name, f"`{name}` must be a finite number, got {_json_type(value)}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        low = "(" if lo_open else "["
+        raise _bad(name, f"`{name}` must be in {low}{lo:g}, {hi:g}], got {value}")
+    return float(value)
+
+
+def _opt_bool(body: dict, name: str) -> bool | None:
+    value = body.get(name)
+    if value is None or type(value) is bool:
+        return value
+    raise _bad(name, f"`{name}` must be a boolean, got {_json_type(value)}")
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    return names.get(type(value), type(value).__name__)
+
+
+# ---- shared fields ------------------------------------------------------------
+
+
+def _check_model(body: dict, limits: ModelLimits) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise _bad("model", f"`model` must be a string, got {_json_type(model)}")
+    if not limits.accepts_model(model):
+        raise ProtocolError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Fields that change the output; ignoring them would silently give wrong answers."""
+    if body.get("echo") not in (None, False):
+        raise _bad("echo", "`echo` is not supported")
+    if body.get("suffix") not in (None, ""):
+        raise _bad("suffix", "`suffix` is not supported")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("best_of", "`best_of` is not supported")
+    if body.get("logit_bias") not in (None, {}):
+        raise _bad("logit_bias", "`logit_bias` is not supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise _bad(name, f"`{name}` is not supported")
+    if body.get("tools") not in (None, []):
+        raise _bad("tools", "`tools` are not supported")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise _bad("response_format", "only `response_format` {\"type\": \"text\"} is supported")
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or len(value) > MAX_STOPS:
+        raise _bad("stop", f"`stop` must be a string or a list of at most {MAX_STOPS} strings")
+    for s in value:
+        if not isinstance(s, str) or not s:
+            raise _bad("stop", "`stop` strings must be non-empty strings")
+    return tuple(dict.fromkeys(value))
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise _bad("stream_options", "`stream_options` must be an object")
+    if not stream:
+        raise _bad("stream_options", "`stream_options` is only allowed when `stream` is true")
+    return bool(_opt_bool(opts, "include_usage"))
+
+
+def _top_k(body: dict, vocab_size: int) -> int | None:
+    value = body.get("top_k")
+    if value is None or value == -1 and type(value) is int:
+        return None
+    top_k = _opt_int(body, "top_k", 1)
+    return None if top_k is None or top_k >= vocab_size else top_k
+
+
+def _options(body: dict, limits: ModelLimits, max_tokens: int | None, logprobs: int | None) -> Options:
+    stream = bool(_opt_bool(body, "stream"))
+    temperature = _opt_float(body, "temperature", 0.0, 2.0)
+    top_p = _opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
+    seed = _opt_int(body, "seed", INT64_MIN, INT64_MAX)
+    return Options(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=_top_k(body, limits.vocab_size),
+        seed=seed,
+        stop=_stops(body),
+        n=_opt_int(body, "n", 1, MAX_N) or 1,
+        logprobs=logprobs,
+        stream=stream,
+        include_usage=_include_usage(body, stream),
+        return_token_ids=bool(_opt_bool(body, "return_token_ids")),
+        ignore_eos=bool(_opt_bool(body, "ignore_eos")),
+    )
+
+
+# ---- /v1/completions ----------------------------------------------------------
+
+
+def parse_completion(body: dict[str, Any], limits: ModelLimits) -> CompletionRequest:
+    """Validate a /v1/completions body (prompt shapes, ranges, model)."""
+    _check_model(body, limits)
+    _refuse_unsupported(body)
+    prompts = _prompts(body.get("prompt"), limits.vocab_size)
+    max_tokens = _opt_int(body, "max_tokens", 1)
+    logprobs = _opt_int(body, "logprobs", 0, MAX_LOGPROBS)
+    options = _options(body, limits, max_tokens, logprobs)
+    if len(prompts) * options.n > MAX_SEQUENCES:
+        raise _bad("n", f"prompts x n must be at most {MAX_SEQUENCES}, got {len(prompts) * options.n}")
+    return CompletionRequest(prompts, options)
+
+
+_PROMPT_SHAPES = "a non-empty string, list of strings, list of token ids or list of lists of token ids"
+
+
+def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
+    if value is None:
+        raise _bad("prompt", "`prompt` is required")
+    if isinstance(value, str):
+        return (_text_prompt(value),)
+    if not isinstance(value, list) or not value:
+        raise _bad("prompt", f"`prompt` must be {_PROMPT_SHAPES}")
+    if len(value) > MAX_PROMPTS and not isinstance(value[0], int):
+        raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request")
+    if all(isinstance(x, str) for x in value):
+        return tuple(_text_prompt(x) for x in value)
+    if all(isinstance(x, list) for x in value):
+        return tuple(_id_prompt(x, vocab_size) for x in value)
+    if all(type(x) is int for x in value):
+        return (_id_prompt(value, vocab_size),)
+    raise _bad("prompt", f"`prompt` must be {_PROMPT_SHAPES}")
+
+
+def _text_prompt(text: str) -> str:
+    if not text:
+        raise _bad("prompt", "`prompt` must not be empty")
+    return text
+
+
+def _id_prompt(ids: list, vocab_size: int) -> tuple[int, ...]:
+    if not ids:
+        raise _bad("prompt", "`prompt` must not be empty")
+    for pos, token in enumerate(ids):
+        if type(token) is not int:
+            raise _bad("prompt", f"`prompt` token at position {pos} is not an integer")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        pos, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise _bad("prompt", f"token id {token} at position {pos} is outside the vocabulary [0, {vocab_size})")
+    return tuple(ids)
+
+
+# ---- /v1/chat/completions -----------------------------------------------------
+
+
+def parse_chat(body: dict[str, Any], limits: ModelLimits) -> ChatRequest:
+    """Validate a /v1/chat/completions body (messages, ranges, model)."""
+    _check_model(body, limits)
+    _refuse_unsupported(body)
+    messages = _messages(body.get("messages"))
+    max_tokens = _opt_int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens", 1)
+    want_logprobs = bool(_opt_bool(body, "logprobs"))
+    top = _opt_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise _bad("top_logprobs", "`top_logprobs` requires `logprobs` to be true")
+    options = _options(body, limits, max_tokens, (top or 0) if want_logprobs else None)
+    return ChatRequest(messages, options)
+
+
+def _messages(value: Any) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise _bad("messages", "`messages` must be a non-empty list")
+    return tuple(_message(m, i) for i, m in enumerate(value))
+
+
+def _message(message: Any, index: int) -> ChatMessage:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise _bad(param, f"`{param}` must be an object")
+    role = message.get("role")
+    if role is None:
+        raise _bad(f"{param}.role", f"`{param}.role` is required")
+    if not isinstance(role, str) or role not in ROLES:
+        raise _bad(f"{param}.role", f"`{param}.role` must be one of {sorted(ROLES)}, got {role!r}")
+    return ChatMessage(role, _content(message.get("content"), role, f"{param}.content"))
+
+
+def _content(value: Any, role: str, param: str) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        if role == "assistant":  # an assistant turn that only called tools
+            return ""
+        raise _bad(param, f"`{param}` is required")
+    if not isinstance(value, list):
+        raise _bad(param, f"`{param}` must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PARTS:
+            raise _bad(f"{param}[{j}]", "images are not supported by this model")
+        if kind in AUDIO_PARTS:
+            raise _bad(f"{param}[{j}]", "audio is not supported by this model")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise _bad(f"{param}[{j}]", f"`{param}[{j}]` must be a text part {{\"type\": \"text\", \"text\": ...}}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# ---- token counts and fan-out -------------------------------------------------
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, limits: ModelLimits, default_cap: int | None) -> int:
+    """Completion budget for one prompt; refuses prompts that can never run."""
+    param = "prompt" if requested is None else "max_tokens"
+    if prompt_len == 0:
+        raise _bad("prompt", "the prompt is empty after tokenization")
+    if prompt_len >= limits.context_len:
+        raise _bad(
+            "prompt",
+            f"This model's maximum context length is {limits.context_len} tokens, "
+            f"but the prompt has {prompt_len} tokens.",
+            "context_length_exceeded",
+        )
+    if prompt_len >= limits.kv_capacity:
+        raise _bad(
+            "prompt",
+            f"The prompt has {prompt_len} tokens but the KV cache holds at most "
+            f"{limits.kv_capacity} tokens (--max-total-tokens); it can never run.",
+            "context_length_exceeded",
+        )
+    if requested is None:
+        room = limits.max_seq_len - prompt_len
+        return room if default_cap is None else min(default_cap, room)
+    total = prompt_len + requested
+    if total > limits.context_len:
+        raise _bad(
+            param,
+            f"This model's maximum context length is {limits.context_len} tokens. However, you requested "
+            f"{total} tokens ({prompt_len} in the prompt, {requested} for the completion). "
+            "Please reduce the prompt or the completion length.",
+            "context_length_exceeded",
+        )
+    if total > limits.kv_capacity:
+        raise _bad(
+            param,
+            f"The request needs {total} tokens of KV cache ({prompt_len} in the prompt, {requested} for "
+            f"the completion) but the server holds at most {limits.kv_capacity} (--max-total-tokens).",
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def plan_sequences(
+    prompt_lens: Sequence[int], options: Options, limits: ModelLimits, default_cap: int | None, base_seed: int
+) -> list[SequencePlan]:
+    """Fan each prompt out into `n` sequences; choice i of a prompt samples with seed + i."""
+    seed = options.seed if options.seed is not None else base_seed
+    plans = []
+    for p, prompt_len in enumerate(prompt_lens):
+        max_tokens = resolve_max_tokens(prompt_len, options.max_tokens, limits, default_cap)
+        for i in range(options.n):
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=options.temperature,
+                top_p=options.top_p,
+                top_k=options.top_k,
+                seed=(seed + i) % SEED_MODULUS,
+                ignore_eos=options.ignore_eos,
+                logprobs=options.logprobs,
+            )
+            plans.append(SequencePlan(choice=p * options.n + i, prompt_index=p, sampling=sampling))
+    return plans
