@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from hkv.config import ConfigError, HkvConfig, parse_cli
-from hkv.ipc import request_table
+from hkv.ipc import request_table, stats
 from hkv.ipc.process import setup_logging
 from hkv.ipc.shm import Registry, ShmRegion, sweep_orphans, unlink_instance
 
@@ -68,6 +68,8 @@ class Instance:
         table = ShmRegion.create(cfg.server.name, request_table.REGION, layout.nbytes(), writer="router")
         self.regions.append(table)
         registry.add(request_table.REGION, writer="router", version=request_table.VERSION, layout=layout.to_dict())
+        self.regions.append(ShmRegion.create(cfg.server.name, stats.REGION, stats.NBYTES, writer="router"))
+        registry.add(stats.REGION, writer="router", version=stats.VERSION, layout={"fields": list(stats.FIELDS)})
 
     async def spawn(self, name: str, module: str, config_file: str, extra: list[str]) -> Child:
         status_r, status_w = os.pipe()

@@ -29,6 +29,7 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRun
 
     from hkv.models.loader import load_model
     from hkv.storage.kv_pool import KVPool
+    from hkv.storage.state_pool import StatePool
 
     torch.manual_seed(cfg.model.seed)
     loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
@@ -36,7 +37,12 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRun
     kv = KVPool(layout, loaded.model.layer_map)
     log.info("KV pool: %d pages x %d tokens, %.1f MiB", layout.num_pages, layout.page_size,
              layout.bytes_per_page() * layout.num_pages / 2**20)
-    return ModelRunner(loaded.model, kv, None, table, cfg.cache.page_size, cfg.model.device)
+    # One live linear-state slot per request-table slot (hybrid models only).
+    state_layout = loaded.model.state_layout(cfg.scheduler.max_running_requests, device=cfg.model.device)
+    state = StatePool(state_layout) if state_layout is not None else None
+    if state is not None:
+        log.info("state pool: %d slots, %.2f MiB each", state_layout.num_slots, state_layout.bytes_per_slot / 2**20)
+    return ModelRunner(loaded.model, kv, state, table, cfg.cache.page_size, cfg.model.device)
 
 
 def _attach_table(cfg: HkvConfig) -> tuple[ShmRegion, request_table.RequestTable]:

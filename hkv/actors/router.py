@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
 import zmq.asyncio
@@ -20,7 +21,7 @@ import zmq.asyncio
 from hkv.config import HkvConfig
 from hkv.engine.pages import PageAllocator
 from hkv.engine.scheduler import Scheduler, SchedulerLimits
-from hkv.ipc import request_table
+from hkv.ipc import request_table, stats
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import (
     AbortRequest,
@@ -54,7 +55,13 @@ def model_limits(path: str) -> tuple[int, frozenset[int]]:
 class Router:
     """The actor's state and its named steps; the socket-free parts live in Scheduler."""
 
-    def __init__(self, cfg: HkvConfig, zctx: zmq.asyncio.Context, table: request_table.RequestTable):
+    def __init__(
+        self,
+        cfg: HkvConfig,
+        zctx: zmq.asyncio.Context,
+        table: request_table.RequestTable,
+        router_stats: stats.RouterStats,
+    ):
         max_context, eos_ids = model_limits(cfg.model.path)
         limits = SchedulerLimits(
             page_size=cfg.cache.page_size,
@@ -64,6 +71,8 @@ class Router:
             eos_ids=eos_ids,
         )
         self.scheduler = Scheduler(limits, PageAllocator(cfg.cache.num_pages), table)
+        self.stats = router_stats
+        self.stats.set("pages_total", cfg.cache.num_pages)
         self.inbox: Receiver[Inbound] = Receiver(zctx, cfg.ipc_address("router_in"), Inbound, "router_in")
         self.results: Receiver[RankOutbound] = Receiver(
             zctx, cfg.ipc_address("router_results"), RankOutbound, "router_results"
@@ -85,10 +94,12 @@ class Router:
         await self.to_api.send(EngineState(ready=True, alive=True, waiting=0, running=0))
         while not stop.is_set():
             await self.drain_inbox(block=not self.scheduler.has_work(), stop=stop)
+            started = time.perf_counter()
             plan = self.scheduler.schedule()
             if plan is not None:
                 result = await self.run_step(plan)
                 await self.publish(self.scheduler.on_result(result, plan))
+                self.record_step(plan, result, time.perf_counter() - started)
             else:
                 await self.publish(self.scheduler.take_finished())
 
@@ -121,6 +132,18 @@ class Router:
                 return msg
             log.warning("ignoring an unexpected rank message: %r", msg)
 
+    def record_step(self, plan: StepPlan, result: StepResult, wall_s: float) -> None:
+        s, sched = self.stats, self.scheduler
+        s.add("steps", 1)
+        s.add("step_wall_s", wall_s)
+        s.add("forward_s", result.forward_s)
+        s.add("decode_tokens", len(result.sampled))
+        s.add("prefill_tokens", sum(len(c.token_ids) for c in plan.chunks) - len(result.sampled))
+        s.set("preemptions", sched.preemptions)
+        s.set("waiting", len(sched.waiting))
+        s.set("running", len(sched.running))
+        s.set("pages_free", sched.pages.free_count)
+
     async def publish(self, deltas) -> None:
         if deltas:
             await self.to_api.send(TokenBatch(deltas))
@@ -137,8 +160,10 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     layout = request_table.TableLayout(**entries[request_table.REGION].layout)
     region = ShmRegion.attach(cfg.server.name, request_table.REGION)
     table = request_table.RequestTable(layout, region.payload)
+    stats_region = ShmRegion.attach(cfg.server.name, stats.REGION)
+    router_stats = stats.RouterStats(stats_region.payload)
     zctx = zmq.asyncio.Context()
-    router = Router(cfg, zctx, table)
+    router = Router(cfg, zctx, table, router_stats)
     router.inbox.start()
     router.results.start()
     try:
@@ -155,7 +180,9 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         await router.aclose()
         zctx.term()
         table.release_views()
+        router_stats.release_views()
         region.close()
+        stats_region.close()
 
 
 async def _run_until_stopped(router: Router, stop: asyncio.Event) -> None:

@@ -35,11 +35,14 @@ class ModelRunner:
             self.sampling.pop(slot, None)
         for seq in plan.new:
             self.sampling[seq.slot] = seq.sampling
-        start = time.perf_counter()
+        forward_s = 0.0
         try:
             with torch.inference_mode():
                 batch = self.build_batch(plan)
+                self._reset_fresh_states(plan)
+                start = time.perf_counter()
                 logits = self.model(batch, self.kv, self.state)  # [S, vocab]
+                forward_s = time.perf_counter() - start
                 rows = [
                     SampleRow(self.sampling[c.slot], c.start_pos + len(c.token_ids))
                     for c in plan.chunks
@@ -47,10 +50,18 @@ class ModelRunner:
                 ]
                 outs = sample(logits, rows)
         except Exception as exc:  # a failed step fails its requests, not the rank
-            return StepResult(plan.step, [], time.perf_counter() - start, f"{type(exc).__name__}: {exc}")
+            return StepResult(plan.step, [], forward_s, f"{type(exc).__name__}: {exc}")
         slots = [c.slot for c in plan.chunks if c.sample]
         sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(slots, outs)]
-        return StepResult(plan.step, sampled, time.perf_counter() - start)
+        return StepResult(plan.step, sampled, forward_s)
+
+    def _reset_fresh_states(self, plan: StepPlan) -> None:
+        """A sequence computing from position 0 starts from zero linear state."""
+        if self.state is None:
+            return
+        for chunk in plan.chunks:
+            if chunk.start_pos == 0:
+                self.state.zero_slot(chunk.slot)
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         """Flatten the plan's chunks into one ragged batch (see hkv/models/batch.py)."""
@@ -77,5 +88,6 @@ class ModelRunner:
             page_table=torch.from_numpy(page_table).to(dev),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             logits_indices=torch.from_numpy(logits_indices).to(dev),
-            state_slots=None,
+            # The live linear state of a sequence sits in the state slot numbered like its table slot.
+            state_slots=None if self.state is None else torch.from_numpy(slots).to(dev),
         )

@@ -84,6 +84,7 @@ class Scheduler:
         self._freed_slots: list[int] = []  # slots released since the last plan
         self._finished: list[TokenDelta] = []  # deltas produced outside a step (aborts)
         self._in_flight: dict[int, Sequence] | None = None  # slot -> sequence of the plan in flight
+        self.preemptions = 0  # sequences preempted for pages, ever
 
     # ---- inputs -----------------------------------------------------------------
 
@@ -190,6 +191,7 @@ class Scheduler:
         """Give back everything the sequence holds; it recomputes from scratch later."""
         self._release_resources(seq)
         seq.kv_len = 0
+        self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _write_row(self, seq: Sequence, kv_end: int) -> None:

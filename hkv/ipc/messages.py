@@ -142,7 +142,7 @@ class StepResult(msgspec.Struct, frozen=True, tag="result"):
 
     step: int
     sampled: list[Sampled]  # one per chunk with sample=True, in plan order
-    forward_s: float  # seconds inside the model forward and sampling (for overhead reports)
+    forward_s: float  # seconds inside the model forward alone (overhead = step time minus this)
     error: str | None = None  # set when the step failed; the router fails the step's requests
 
 

@@ -1,0 +1,49 @@
+"""The router's stats block in shared memory.
+
+Writer: the router (after every step). Readers: the api (`/metrics`),
+`hkv-inspect` and benchmarks. Every field is a float64 counter or gauge at a
+fixed index, so a reader never needs a lock: a torn read can only mix two
+consecutive steps' values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+REGION = "router_stats"
+VERSION = 1
+
+FIELDS = (
+    "steps",  # steps run
+    "step_wall_s",  # seconds from scheduling a step to publishing its tokens, summed
+    "forward_s",  # seconds ranks spent in the model forward, summed
+    "prefill_tokens",  # prompt (and recomputed) tokens run
+    "decode_tokens",  # tokens generated
+    "preemptions",  # sequences preempted for pages
+    "waiting",  # gauge: sequences waiting for admission
+    "running",  # gauge: sequences holding a slot
+    "pages_total",  # gauge: device KV pages
+    "pages_free",  # gauge: free device KV pages
+)
+NBYTES = len(FIELDS) * 8
+
+
+class RouterStats:
+    """Named float64 fields over the region's payload."""
+
+    def __init__(self, payload: memoryview):
+        self._values = np.frombuffer(payload, dtype="<f8", count=len(FIELDS))
+        self._index = {name: i for i, name in enumerate(FIELDS)}
+
+    def add(self, name: str, amount: float) -> None:
+        self._values[self._index[name]] += amount
+
+    def set(self, name: str, value: float) -> None:
+        self._values[self._index[name]] = value
+
+    def read(self) -> dict[str, float]:
+        values = self._values.copy()
+        return {name: float(values[i]) for name, i in self._index.items()}
+
+    def release_views(self) -> None:
+        self._values = None

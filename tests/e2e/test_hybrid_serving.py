@@ -1,0 +1,48 @@
+"""The default model (tiny-hybrid, Gated DeltaNet + gated attention) served end to end
+equals transformers' Qwen3_5ForCausalLM on the same checkpoint (greedy, margin-aware)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import aiohttp
+import pytest
+import torch
+
+from hkv.models.tiny import ensure_builtin
+from tests.e2e.harness import assert_clean, launch
+from tests.reference import assert_greedy_parity
+
+pytestmark = pytest.mark.e2e
+
+
+def test_tiny_hybrid_concurrent_greedy_matches_transformers(tmp_path, builtin_dir):
+    from transformers import Qwen3_5ForCausalLM
+
+    folder = ensure_builtin("tiny-hybrid", builtin_dir)
+    reference = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    server = launch(["--chunked-prefill-size", "96"], tmp_path)  # the default model is tiny-hybrid
+    pids = server.actor_pids()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 1536) for _ in range(n)] for n in (5, 80, 250)]
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            async def one(prompt):
+                body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True,
+                        "ignore_eos": True}
+                async with session.post(server.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return (await resp.json())["choices"][0]["token_ids"]
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        assert server.stop(signal.SIGTERM) == 0, server.log()
+    assert_clean(server, pids)
+    for prompt, output in zip(prompts, outputs):
+        assert len(output) == 16
+        assert_greedy_parity(reference, prompt, output)
