@@ -32,6 +32,7 @@ class ModelConfig:
     device: str  # cpu | cuda
     tp: int
     seed: int
+    cpu_threads: int  # torch intra-op threads of a CPU rank (leaves cores to the api and router)
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,13 @@ def _resolve_dtype(requested: str, device: str, model_path: str) -> str:
     return declared if declared in DTYPES[1:] else "bfloat16"
 
 
+def _cpu_threads() -> int:
+    """Intra-op threads for a CPU rank: spinning OpenMP threads that share cores with the
+    api and router slow small forwards tenfold, so keep two cores free when there are few."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores - 2)
+
+
 def _resolve_model_path(model: str, cache_dir: str) -> str:
     if model in BUILTIN_MODELS:
         from hkv.models.tiny import ensure_builtin
@@ -275,7 +283,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     max_total = args.max_total_tokens or (32768 if on_cpu else 262144)
     run_dir = tempfile.mkdtemp(prefix=f"hkv-{name}-")  # mode 0700
     return HkvConfig(
-        model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed),
+        model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads()),
         cache=CacheConfig(
             page_size=args.page_size,
             max_total_tokens=max_total,

@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from hkv.config import HkvConfig
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import Inbound, Outbound
-from hkv.ipc.process import ActorContext, run_actor
+from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.models.tokenizer import Tokenizer, TokenizerError
 from hkv.openai.generation import ChoiceUpdate, Generation
 from hkv.openai.metrics import ApiMetrics
@@ -360,7 +360,7 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
             await web.TCPSite(runner, cfg.server.host, cfg.server.port).start()
             url = _site_url(runner)
             # Report ready only once the router can admit, so the launcher's ready line means /ready is 200.
-            await _first_of(link.first_ready.wait(), ctx.stop.wait())
+            await run_until_stopped(link.first_ready.wait(), ctx.stop)
             if link.ready:
                 log.info("serving %s on %s", limits.model_id, url)
                 ctx.ready(url=url)
@@ -368,13 +368,6 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
             await api.drain(cfg.server.drain_timeout_s)
     finally:
         zctx.destroy(linger=0)
-
-
-async def _first_of(*aws) -> None:
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for task in tasks:
-        task.cancel()
 
 
 def main() -> None:

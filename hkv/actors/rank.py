@@ -18,7 +18,7 @@ from hkv.engine.model_runner import ModelRunner
 from hkv.ipc import request_table
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import RankInbound, RankOutbound, RankReady, Shutdown
-from hkv.ipc.process import ActorContext, run_actor
+from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.ipc.shm import Registry, ShmRegion
 
 log = logging.getLogger("hkv.rank")
@@ -32,6 +32,8 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRun
     from hkv.storage.state_pool import StatePool
 
     torch.manual_seed(cfg.model.seed)
+    if cfg.model.device == "cpu":
+        torch.set_num_threads(cfg.model.cpu_threads)
     loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
     layout = loaded.model.kv_layout(cfg.cache.num_pages, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
     kv = KVPool(layout, loaded.model.layer_map)
@@ -62,7 +64,7 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         inbox.start()
         await outbox.send(RankReady(ctx.rank, runner.kv.layout.num_pages))
         ctx.ready(rank=ctx.rank)
-        await _step_loop(ctx, inbox, outbox, runner)
+        await run_until_stopped(_step_loop(ctx, inbox, outbox, runner), ctx.stop)
     finally:
         await inbox.aclose()
         await outbox.aclose()
@@ -72,26 +74,17 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
 
 
 async def _step_loop(ctx: ActorContext, inbox, outbox, runner: ModelRunner) -> None:
-    stop = asyncio.ensure_future(ctx.stop.wait())
-    try:
-        while True:
-            # 1. wait for a plan (or a stop)
-            get = asyncio.ensure_future(inbox.get())
-            await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                return
-            msg = get.result()
-            if isinstance(msg, Shutdown):
-                return
-            # 2. run it and 3. answer (rank 0 answers for the group)
-            result = runner.execute(msg)
-            if result.error:
-                log.error("step %d failed: %s", msg.step, result.error)
-            if ctx.rank == 0:
-                await outbox.send(result)
-    finally:
-        stop.cancel()
+    while True:
+        # 1. wait for a plan
+        msg = await inbox.get()
+        if isinstance(msg, Shutdown):
+            return
+        # 2. run it and 3. answer (rank 0 answers for the group)
+        result = runner.execute(msg)
+        if result.error:
+            log.error("step %d failed: %s", msg.step, result.error)
+        if ctx.rank == 0:
+            await outbox.send(result)
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ from hkv.ipc.messages import (
     StepResult,
     TokenBatch,
 )
-from hkv.ipc.process import ActorContext, run_actor
+from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.ipc.shm import Registry, ShmRegion
 
 log = logging.getLogger("hkv.router")
@@ -90,12 +90,14 @@ class Router:
                 ready += 1
                 log.info("rank %d ready with %d KV pages", msg.rank, msg.kv_pages)
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self) -> None:
         await self.to_api.send(EngineState(ready=True, alive=True, waiting=0, running=0))
-        while not stop.is_set():
-            await self.drain_inbox(block=not self.scheduler.has_work(), stop=stop)
+        stuck = False  # nothing could run: only a new request or an abort can change that
+        while True:
+            await self.drain_inbox(block=stuck or not self.scheduler.has_work())
             started = time.perf_counter()
             plan = self.scheduler.schedule()
+            stuck = plan is None
             if plan is not None:
                 result = await self.run_step(plan)
                 await self.publish(self.scheduler.on_result(result, plan))
@@ -103,17 +105,10 @@ class Router:
             else:
                 await self.publish(self.scheduler.take_finished())
 
-    async def drain_inbox(self, block: bool, stop: asyncio.Event) -> None:
+    async def drain_inbox(self, block: bool) -> None:
         """Apply every queued request and abort; with no work, wait for the first."""
-        if block and self.inbox.empty():
-            get = asyncio.ensure_future(self.inbox.get())
-            halt = asyncio.ensure_future(stop.wait())
-            await asyncio.wait({get, halt}, return_when=asyncio.FIRST_COMPLETED)
-            halt.cancel()
-            if not get.done():
-                get.cancel()
-                return
-            self.apply(get.result())
+        if block:
+            self.apply(await self.inbox.get())
         for msg in self.inbox.drain():
             self.apply(msg)
 
@@ -167,15 +162,9 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     router.inbox.start()
     router.results.start()
     try:
-        waiter = asyncio.ensure_future(router.wait_for_ranks(cfg.model.tp))
-        halt = asyncio.ensure_future(ctx.stop.wait())
-        await asyncio.wait({waiter, halt}, return_when=asyncio.FIRST_COMPLETED)
-        halt.cancel()
-        if waiter.done():
+        if await run_until_stopped(router.wait_for_ranks(cfg.model.tp), ctx.stop):
             ctx.ready()
-            await _run_until_stopped(router, ctx.stop)
-        else:
-            waiter.cancel()
+            await run_until_stopped(router.run(), ctx.stop)
     finally:
         await router.aclose()
         zctx.term()
@@ -183,19 +172,6 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         router_stats.release_views()
         region.close()
         stats_region.close()
-
-
-async def _run_until_stopped(router: Router, stop: asyncio.Event) -> None:
-    """Run steps until stopped; a stop cancels a step still waiting on a dead rank."""
-    steps = asyncio.ensure_future(router.run(stop))
-    halt = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({steps, halt}, return_when=asyncio.FIRST_COMPLETED)
-    halt.cancel()
-    if not steps.done():
-        steps.cancel()
-    await asyncio.gather(steps, return_exceptions=True)
-    if steps.done() and not steps.cancelled() and steps.exception() is not None:
-        raise steps.exception()
 
 
 def main() -> None:

@@ -63,6 +63,25 @@ class ActorContext:
             pass  # the launcher is gone; the lifeline handles that
 
 
+async def run_until_stopped(work: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Run `work` until it ends or `stop` is set (then cancel it); re-raises its failure.
+
+    Returns True if the work ran to completion.
+    """
+    task = asyncio.ensure_future(work)
+    halt = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, halt}, return_when=asyncio.FIRST_COMPLETED)
+    halt.cancel()
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return False
+    if task.exception() is not None:
+        raise task.exception()
+    return True
+
+
 ActorBody = Callable[[HkvConfig, ActorContext], Awaitable[None]]
 
 
