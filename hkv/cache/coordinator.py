@@ -1,0 +1,575 @@
+"""The CacheCoordinator: the only cache API the scheduler calls.
+
+It owns the page pool, the state-slot and draft-window pools and the radix
+tree, and keeps one record per request. Every change goes through an undo
+log, so a transaction (and a publish) is all-or-nothing:
+
+    txn = coord.begin(req_id)          open; nothing has changed yet
+    hit = txn.match(prompt_ids)        lock the cached prefix (first txn only)
+    txn.reserve(tokens=n, state_slots=1)   evict + allocate, or CapacityError (no change)
+    grant = txn.commit()               keep it all; ops for this step's plan
+    txn.rollback()                     (instead of commit) undo it all, exactly
+
+    coord.publish(req_id, token_ids, upto, checkpoint=...)   cache computed pages
+    coord.pause(req_id) / coord.release(req_id)              give resources back
+
+A request's pages, in position order, and what owns each:
+
+    tokens  [0 ........ published) [published ........ cursor) [cursor .. len(pages)*P)
+    pages   tree's (locked), or     the request's own           reserved ahead, own
+            the request's own
+            duplicates of them
+
+One transaction is open at a time, and publish/pause/release/flush/evict
+refuse to run while it is. See docs/cache.md for the router's call sequence.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+from hkv.cache.errors import CapacityError, TransactionError
+from hkv.cache.pools import IdPool, PagePool, SlotPool
+from hkv.cache.radix import Checkpoint, Node, RadixTree
+from hkv.cache.types import (
+    CacheOp, CacheSpec, CheckpointRef, Evicted, Grant, Hit, Published, RestoreCheckpoint, SaveCheckpoint,
+)  # fmt: skip
+
+
+class Phase(enum.Enum):
+    """Where a request stands with the coordinator."""
+
+    NEW = "new"  # first transaction still open
+    RUNNING = "running"  # committed at least once; holds what its grants gave it
+    PAUSED = "paused"  # preempted: holds nothing; its next begin matches again
+
+
+class RequestState:
+    """The coordinator's record of one request (read-only outside this module)."""
+
+    __slots__ = (
+        "req_id", "phase", "pages", "duplicates", "cursor", "published", "lock", "held",
+        "state_slots", "window_slots", "cached_tokens",
+    )  # fmt: skip
+
+    def __init__(self, req_id: int):
+        self.req_id: int = req_id
+        self.phase: Phase = Phase.NEW
+        self.pages: list[int] = []  # page i holds tokens [i*P, (i+1)*P)
+        self.cursor: int = 0  # tokens computed, or being computed by the planned step
+        self.published: int = 0  # tokens [0, published) are cached in the tree on lock's path
+        # Its own copies of pages in [0, published) that another request cached first. With
+        # pages[published // P:], these are the pages it alone holds (see owned_pages).
+        self.duplicates: list[int] = []
+        self.lock: Node | None = None  # the node whose root path this request locks
+        self.held: Checkpoint | None = None  # checkpoint it restored from, pinned until it moves on
+        self.state_slots: list[int] = []  # [0] is the live state; more for speculative candidates
+        self.window_slots: list[int] = []  # [0] is the live draft window
+        self.cached_tokens: int = 0  # tokens its latest match served from the cache
+
+    def owned_pages(self, page_size: int) -> list[int]:
+        """Pages only this request holds: its duplicates, then every page past `published`.
+
+            pages [ tree's or duplicate ... | own ........................ ]
+                  0                published // P                     len(pages)
+        """
+        return self.duplicates + self.pages[self.published // page_size :]
+
+
+class Transaction:
+    """One all-or-nothing change for one request; created by `CacheCoordinator.begin`.
+
+    Use as a context manager to roll back on an exception or when the block
+    ends without `commit`.
+    """
+
+    def __init__(self, coord: "CacheCoordinator", req: RequestState, created: bool):
+        self.req_id: int = req.req_id
+        self.open: bool = True
+        self._coord: CacheCoordinator = coord
+        self._req: RequestState = req
+        self._created: bool = created  # begin made the request's record; rollback removes it
+        self._may_match: bool = req.phase is not Phase.RUNNING
+        self._pages_before: int = len(req.pages)
+        self._hit_node: Node | None = None
+        self._hit_ckpt: Checkpoint | None = None
+        self._undo: list[Callable[[], None]] = []
+
+    def match(self, token_ids: list[int] | tuple[int, ...]) -> Hit:
+        """Find and lock the longest reusable cached prefix of `token_ids`.
+
+        Allowed once, first in the first transaction of a new or paused
+        request. Dense: the deepest page-aligned cached prefix. Hybrid: the
+        deepest node carrying a checkpoint. Either way at most len-1 tokens,
+        so at least one prompt token is recomputed. Mutates (undone by
+        rollback): locks the hit's path, pins its checkpoint, sets the
+        request's pages to the hit's pages and its cursor to hit.length.
+        """
+        return self._coord._match(self, token_ids)
+
+    def reserve(self, *, tokens: int = 0, pages: int = 0, state_slots: int = 0, window_slots: int = 0) -> None:
+        """Reserve what the request's next step needs, evicting unreferenced cache entries.
+
+        tokens: the step computes this many more tokens; the cursor advances
+            by it and pages are added so [0, cursor) fits:
+                before  [ page 0 | page 1 | p2 .. cursor)
+                after   [ page 0 | page 1 | page 2 | p3 .. cursor + tokens)
+        pages: extra pages beyond that (look-ahead); state_slots,
+        window_slots: appended to the request's live slots.
+        Raises CapacityError having changed nothing (the transaction stays
+        open: reserve less, or roll back). Eviction follows the tree's order.
+        """
+        self._coord._reserve(self, tokens, pages, state_slots, window_slots)
+
+    def commit(self) -> Grant:
+        """Close the transaction keeping every change; returns the request's holdings and ops.
+
+        Raises TransactionError (after rolling back) when a checkpoint hit
+        has no live state slot to restore into.
+        """
+        return self._coord._commit(self)
+
+    def rollback(self) -> None:
+        """Close the transaction undoing every change: pools, tree, locks, cursor."""
+        self._coord._rollback(self)
+
+    def __enter__(self) -> "Transaction":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.open:
+            self.rollback()
+
+
+class CacheCoordinator:
+    """Pools + radix tree + request records, changed only through transactions.
+
+    fault: test hook called with the name of a point inside reserve and
+    publish ("reserve.evicted", "publish.inserted", "publish.checkpointed");
+    raising from it simulates a failure there, which must undo everything.
+    """
+
+    def __init__(self, spec: CacheSpec, fault: Callable[[str], None] | None = None):
+        self.spec: CacheSpec = spec
+        self.pages: PagePool = PagePool(spec.num_pages, spec.page_size)
+        self.state_slots: SlotPool = SlotPool("state_slots", spec.num_state_slots)
+        self.window_slots: SlotPool = SlotPool("window_slots", spec.num_window_slots)
+        self.tree: RadixTree = RadixTree(spec.page_size)
+        self.requests: dict[int, RequestState] = {}  # read-only outside this module
+        self._txn: Transaction | None = None
+        self._undo: list[Callable[[], None]] | None = None  # the open undo log, if any
+        self._fault: Callable[[str], None] | None = fault
+
+    # ---- the undo log ---------------------------------------------------------------
+
+    def _log(self, undo: Callable[[], None]) -> None:
+        if self._undo is not None:
+            self._undo.append(undo)
+
+    def _undo_to(self, mark: int) -> None:
+        log = self._undo
+        while len(log) > mark:
+            log.pop()()
+
+    def _fault_point(self, name: str) -> None:
+        if self._fault is not None:
+            self._fault(name)
+
+    def _alloc(self, pool: IdPool, n: int) -> list[int]:
+        ids = pool.allocate(n)
+        self._log(lambda: pool.unallocate(ids))
+        return ids
+
+    def _free(self, pool: IdPool, ids: list[int]) -> None:
+        pool.free(ids)
+        self._log(lambda: pool.unfree(ids))
+
+    # ---- transactions ---------------------------------------------------------------
+
+    def begin(self, req_id: int) -> Transaction:
+        """Open the (single) transaction for `req_id`, registering it if unknown.
+
+        A new or paused request's transaction may `match`; a running one's
+        only reserves more (the next chunk, a decode page). Raises
+        TransactionError while another transaction is open.
+        """
+        if self._txn is not None:
+            raise TransactionError(f"begin({req_id}) while request {self._txn.req_id}'s transaction is open")
+        req = self.requests.get(req_id)
+        created = req is None
+        if req is None:
+            req = self.requests[req_id] = RequestState(req_id)
+        txn = Transaction(self, req, created)
+        self._txn, self._undo = txn, txn._undo
+        return txn
+
+    def _check_txn(self, txn: Transaction) -> RequestState:
+        if not txn.open or self._txn is not txn:
+            raise TransactionError(f"request {txn.req_id}: the transaction is closed")
+        return txn._req
+
+    def _match(self, txn: Transaction, token_ids) -> Hit:
+        req = self._check_txn(txn)
+        if not txn._may_match or req.pages or req.state_slots or req.window_slots:
+            raise TransactionError(f"request {req.req_id}: match must come first in a new or paused request")
+        txn._may_match = False
+        if not self.spec.prefix_cache or len(token_ids) < 2:
+            return Hit(0, (), None)
+        found = self.tree.match(tuple(token_ids), len(token_ids) - 1)
+        node, length = found.node, found.length
+        if self.spec.hybrid:
+            node = found.checkpoint_node
+            length = 0 if node is None else node.depth
+        if node is None or length == 0:
+            return Hit(0, (), None)
+        pages = self.tree.path_pages(node, length)  # a fresh list: the request's from now on
+        self.tree.lock(node)
+        ckpt = node.checkpoint if self.spec.hybrid else None
+        if ckpt is not None:
+            self.tree.hold(ckpt)
+        old_cached = req.cached_tokens
+        req.pages, req.cursor, req.published, req.lock, req.held = pages, length, length, node, ckpt
+        req.cached_tokens = length
+        txn._hit_node, txn._hit_ckpt = node, ckpt
+        self._log(lambda: self._unmatch(req, node, ckpt, old_cached))
+        ref = None if ckpt is None else CheckpointRef(ckpt.slot, ckpt.window, ckpt.length)
+        return Hit(length, tuple(pages), ref)
+
+    def _unmatch(self, req: RequestState, node: Node, ckpt: Checkpoint | None, cached_tokens: int) -> None:
+        if ckpt is not None:
+            self.tree.unhold(ckpt)
+        self.tree.unlock(node)
+        req.pages, req.cursor, req.published, req.lock, req.held = [], 0, 0, None, None
+        req.cached_tokens = cached_tokens
+
+    def _reserve(self, txn: Transaction, tokens: int, pages: int, state_slots: int, window_slots: int) -> None:
+        req = self._check_txn(txn)
+        if min(tokens, pages, state_slots, window_slots) < 0:
+            raise ValueError("reserve amounts must be >= 0")
+        txn._may_match = False
+        cursor = req.cursor + tokens
+        need_pages = max(0, self.pages.pages_for(cursor) - len(req.pages)) + pages
+        self._check_room(need_pages, state_slots, window_slots)
+        mark = len(self._undo)
+        try:
+            self._make_room(need_pages, state_slots, window_slots)
+            self._fault_point("reserve.evicted")
+            self._grant(req, need_pages, state_slots, window_slots)
+            old_cursor = req.cursor
+            req.cursor = cursor
+            self._log(lambda: setattr(req, "cursor", old_cursor))
+        except BaseException:
+            self._undo_to(mark)
+            raise
+
+    def _check_room(self, pages: int, state_slots: int, window_slots: int) -> None:
+        """Raise CapacityError unless free + evictable covers each need; changes nothing."""
+        tree = self.tree
+        for pool, need, evictable in (
+            (self.pages, pages, tree.evictable_pages),
+            (self.state_slots, state_slots, tree.evictable_checkpoints),
+            (self.window_slots, window_slots, tree.evictable_windows),
+        ):
+            if need > pool.free_count + evictable:
+                raise CapacityError(pool.name, need, pool.free_count, evictable)
+
+    def _make_room(self, pages: int, state_slots: int, window_slots: int) -> None:
+        """Evict until each pool has the free ids asked for; the caller checked it can."""
+        # (not `assert self._evict_leaf()`: under python -O that would never evict)
+        while self.pages.free_count < pages:
+            if not self._evict_leaf():
+                raise AssertionError("evictable_pages overstated")
+        while self.state_slots.free_count < state_slots:
+            if not self._evict_checkpoint(False):
+                raise AssertionError("evictable_checkpoints overstated")
+        while self.window_slots.free_count < window_slots:
+            if not self._evict_checkpoint(True):
+                raise AssertionError("evictable_windows overstated")
+
+    def _evict_leaf(self) -> bool:
+        node = self.tree.evict_leaf()
+        if node is None:
+            return False
+        self._log(lambda: self.tree.reattach(node))
+        self._free(self.pages, node.pages)
+        if node.checkpoint is not None:
+            self._free_checkpoint_slots(node.checkpoint)
+        return True
+
+    def _evict_checkpoint(self, with_window: bool) -> bool:
+        ckpt = self.tree.evict_checkpoint(with_window)
+        if ckpt is None:
+            return False
+        self._log(lambda: self.tree.reattach_checkpoint(ckpt))
+        self._free_checkpoint_slots(ckpt)
+        return True
+
+    def _free_checkpoint_slots(self, ckpt: Checkpoint) -> None:
+        self._free(self.state_slots, [ckpt.slot])
+        if ckpt.window is not None:
+            self._free(self.window_slots, [ckpt.window])
+
+    def _grant(self, req: RequestState, pages: int, state_slots: int, window_slots: int) -> None:
+        """Allocate into the request's lists; each append is logged for rollback."""
+        for pool, n, held in (
+            (self.pages, pages, req.pages),
+            (self.state_slots, state_slots, req.state_slots),
+            (self.window_slots, window_slots, req.window_slots),
+        ):
+            if n == 0:
+                continue
+            ids = self._alloc(pool, n)
+            start = len(held)
+            held.extend(ids)
+            self._log(lambda held=held, start=start: held.__delitem__(slice(start, None)))
+
+    def _commit(self, txn: Transaction) -> Grant:
+        req = self._check_txn(txn)
+        ops: list[CacheOp] = []
+        ckpt = txn._hit_ckpt
+        if ckpt is not None:
+            if not req.state_slots:
+                self._rollback(txn)
+                raise TransactionError(f"request {req.req_id}: a checkpoint hit needs a live state slot")
+            src_window = ckpt.window if req.window_slots else None
+            dst_window = req.window_slots[0] if src_window is not None else None
+            ops.append(RestoreCheckpoint(ckpt.slot, req.state_slots[0], ckpt.length, src_window, dst_window))
+            self.tree.touch_checkpoint(ckpt)
+        if txn._hit_node is not None:
+            self.tree.touch(txn._hit_node)
+        req.phase = Phase.RUNNING
+        self._close(txn)
+        return Grant(
+            req.req_id, tuple(req.pages), txn._pages_before, req.cursor, req.cached_tokens if txn._hit_node else 0,
+            tuple(req.state_slots), tuple(req.window_slots), tuple(ops),
+        )  # fmt: skip
+
+    def _rollback(self, txn: Transaction) -> None:
+        req = self._check_txn(txn)
+        self._undo_to(0)
+        if txn._created:
+            del self.requests[req.req_id]
+        self._close(txn)
+
+    def _close(self, txn: Transaction) -> None:
+        txn.open = False
+        self._txn, self._undo = None, None
+
+    # ---- publish, pause, release ----------------------------------------------------
+
+    def _running(self, req_id: int, what: str) -> RequestState:
+        if self._txn is not None:
+            raise TransactionError(f"{what}({req_id}) while request {self._txn.req_id}'s transaction is open")
+        req = self.requests.get(req_id)
+        if req is None:
+            raise TransactionError(f"{what}({req_id}): unknown request")
+        return req
+
+    def publish(self, req_id: int, token_ids, upto: int, checkpoint: bool = False) -> Published:
+        """Cache the request's computed prefix token_ids[:upto], rounded down to a page.
+
+            token_ids [0 .... published) [published ..... aligned) [aligned .. upto)
+                       already cached      inserted now              partial page, kept private
+
+        Pages another request already cached stay the request's own
+        duplicates until release; the rest move to the tree. The request's
+        lock moves to the node ending at `aligned` (it never moves up), and
+        the checkpoint it restored from is unpinned.
+        checkpoint=True (hybrid; upto must be page-aligned and equal the
+        position the live state is at): attach a checkpoint there, evicting
+        LRU checkpoints for a slot (plus a window if the request drafts);
+        returns its SaveCheckpoint op, or none when no slot can be had or the
+        node already has one. All-or-nothing: a failure inside undoes it all.
+        """
+        req = self._running(req_id, "publish")
+        if req.phase is not Phase.RUNNING:
+            raise TransactionError(f"publish({req_id}): the request is {req.phase.value}")
+        if checkpoint and (not self.spec.hybrid or upto % self.spec.page_size):
+            raise ValueError(f"publish({req_id}): checkpoints need a hybrid model and a page-aligned upto ({upto})")
+        if not 0 <= upto <= min(req.cursor, len(token_ids)):
+            raise ValueError(f"publish({req_id}): upto {upto} beyond cursor {req.cursor} or the tokens given")
+        aligned = upto - upto % self.spec.page_size
+        if not self.spec.prefix_cache or aligned < req.published or aligned == 0:
+            return Published(req.published, 0, ())
+        self._undo = []
+        try:
+            return self._publish(req, tuple(token_ids[:aligned]), aligned, checkpoint)
+        except BaseException:
+            self._undo_to(0)
+            raise
+        finally:
+            self._undo = None
+
+    def _publish(self, req: RequestState, tokens: tuple, aligned: int, checkpoint: bool) -> Published:
+        P, inserted = self.spec.page_size, 0
+        if aligned > req.published:
+            # resume the walk at the request's locked node when it ends where its cached prefix does
+            lock = req.lock
+            start = lock if lock is not None and lock.depth == req.published else None
+            found = self.tree.insert(tokens, req.pages[: aligned // P], start)
+            # the locked prefix [0, published) was walked, never adopted
+            assert found.adopted_from * P >= req.published and found.node.depth == aligned
+            leaf = found.leaf
+            if leaf is not None:
+                self._log(lambda: self.tree.remove_leaf(leaf))
+                inserted = aligned - found.adopted_from * P
+            # pages the walk found cached already: the request keeps its copies until release
+            duplicates = req.pages[req.published // P : found.adopted_from]
+            if duplicates:
+                req.duplicates += duplicates
+                self._log(lambda: req.duplicates.__delitem__(slice(-len(duplicates), None)))
+            self._move_lock(req, found.node, aligned)
+            self._fault_point("publish.inserted")
+        node = req.lock
+        ops: tuple[CacheOp, ...] = ()
+        if checkpoint and node.checkpoint is None:
+            op = self._take_checkpoint(req, node)
+            ops = () if op is None else (op,)
+        self._fault_point("publish.checkpointed")
+        self.tree.touch(node)
+        if node.checkpoint is not None:
+            self.tree.touch_checkpoint(node.checkpoint)
+        return Published(aligned, inserted, ops)
+
+    def _move_lock(self, req: RequestState, node: Node, aligned: int) -> None:
+        """Lock the path to `node` and let go of the old lock and pinned checkpoint."""
+        tree = self.tree
+        old_lock, old_published, old_held = req.lock, req.published, req.held
+        tree.lock(node)
+        if old_lock is not None:
+            tree.unlock(old_lock)
+        if old_held is not None:
+            tree.unhold(old_held)
+        req.lock, req.published, req.held = node, aligned, None
+
+        def undo() -> None:
+            if old_held is not None:
+                tree.hold(old_held)
+            if old_lock is not None:
+                tree.lock(old_lock)
+            tree.unlock(node)
+            req.lock, req.published, req.held = old_lock, old_published, old_held
+
+        self._log(undo)
+
+    def _take_checkpoint(self, req: RequestState, node: Node) -> SaveCheckpoint | None:
+        if not req.state_slots:
+            raise TransactionError(f"publish({req.req_id}): a checkpoint needs the request's live state slot")
+        windows = 1 if req.window_slots else 0
+        try:
+            self._check_room(0, 1, windows)
+        except CapacityError:
+            return None  # caching is best effort: the pages are published without it
+        self._make_room(0, 1, windows)
+        slot = self._alloc(self.state_slots, 1)[0]
+        window = self._alloc(self.window_slots, 1)[0] if windows else None
+        ckpt = self.tree.attach_checkpoint(node, slot, window)
+        self._log(lambda: self.tree.detach_checkpoint(ckpt))
+        src_window = req.window_slots[0] if windows else None
+        return SaveCheckpoint(req.state_slots[0], slot, node.depth, src_window, window)
+
+    def pause(self, req_id: int) -> None:
+        """Preempt: free everything the request holds except what it published.
+
+        Its own pages (unpublished ones and duplicates), live state slots
+        and windows go back to the pools; its lock and pin are dropped, so
+        its published prefix stays cached, unreferenced. The record stays,
+        PAUSED; the next `begin` may match again. Publish first to keep more.
+        """
+        req = self._running(req_id, "pause")
+        self._drop(req)
+        req.phase = Phase.PAUSED
+
+    def release(self, req_id: int) -> None:
+        """Finish or abort: like pause, then forget the request."""
+        req = self._running(req_id, "release")
+        self._drop(req)
+        del self.requests[req_id]
+
+    def _drop(self, req: RequestState) -> None:
+        self.pages.free(req.owned_pages(self.spec.page_size))
+        self.state_slots.free(req.state_slots)
+        self.window_slots.free(req.window_slots)
+        if req.held is not None:
+            self.tree.unhold(req.held)
+        if req.lock is not None:
+            self.tree.unlock(req.lock)
+        req.pages, req.duplicates, req.cursor, req.published = [], [], 0, 0
+        req.lock, req.held, req.state_slots, req.window_slots = None, None, [], []
+
+    # ---- eviction -------------------------------------------------------------------
+
+    def evict(self, pages: int = 0, checkpoints: int = 0) -> Evicted:
+        """Free at least `pages` tree pages and `checkpoints` checkpoints, as far as possible.
+
+        Follows the eviction orders (see hkv.cache.radix); a leaf is freed
+        whole, so more pages than asked may go. Returns what was freed.
+        """
+        self._running_check("evict")
+        freed_pages = freed_ckpts = 0
+        while freed_pages < pages:
+            node = self.tree.evict_leaf()
+            if node is None:
+                break
+            freed_pages += len(node.pages)
+            freed_ckpts += self._release_evicted(node)
+        while freed_ckpts < checkpoints and self._evict_checkpoint(False):
+            freed_ckpts += 1
+        return Evicted(freed_pages, freed_ckpts)
+
+    def flush(self) -> Evicted:
+        """Drop every unreferenced entry: unlocked nodes and unpinned checkpoints."""
+        self._running_check("flush")
+        return self.evict(pages=self.spec.num_pages + 1, checkpoints=self.spec.num_state_slots + 1)
+
+    def _running_check(self, what: str) -> None:
+        if self._txn is not None:
+            raise TransactionError(f"{what} while request {self._txn.req_id}'s transaction is open")
+
+    def _release_evicted(self, node: Node) -> int:
+        self.pages.free(node.pages)
+        if node.checkpoint is None:
+            return 0
+        self._free_checkpoint_slots(node.checkpoint)
+        return 1
+
+    # ---- inspection -----------------------------------------------------------------
+
+    def check_integrity(self, allow_open_transaction: bool = False) -> None:
+        """Prove the books balance; raises AssertionError naming the first breach.
+
+        free + owned + cached == size for pages, state slots and windows;
+        node lock_refs and checkpoint holds equal their holders; counters and
+        eviction heaps agree with the tree; no transaction is open (unless
+        allowed: a mid-transaction check counts its changes as the request's).
+        """
+        from hkv.cache.integrity import check
+
+        check(self, allow_open_transaction)
+
+    @property
+    def in_transaction(self) -> bool:
+        """True while a transaction is open (publish, pause, release and flush must wait)."""
+        return self._txn is not None
+
+    def stats(self) -> dict:
+        """Pool and tree figures in hkv-inspect's shape: total, free, cached, in_use per pool."""
+        tree = self.tree
+        ckpt_windows = sum(1 for n in tree.nodes() if n.checkpoint is not None and n.checkpoint.window is not None)
+        pools = {}
+        for key, pool, cached in (
+            ("gpu_pages", self.pages, tree.cached_pages),
+            ("state_slots", self.state_slots, tree.num_checkpoints),
+            ("window_slots", self.window_slots, ckpt_windows),
+        ):
+            free = pool.free_count
+            pools[key] = {"total": pool.size, "free": free, "cached": cached, "in_use": pool.size - free - cached}
+        radix = {
+            "nodes": tree.num_nodes,
+            "cached_tokens": tree.cached_pages * self.spec.page_size,
+            "evictable_pages": tree.evictable_pages,
+            "checkpoints": tree.num_checkpoints,
+            "evictable_checkpoints": tree.evictable_checkpoints,
+        }
+        return {"pools": pools, "radix": radix, "requests": len(self.requests)}

@@ -1,0 +1,342 @@
+"""CacheCoordinator on tiny specs: exact page ids, ops, eviction order and rollbacks."""
+
+import pytest
+
+from hkv.cache import (
+    CacheCoordinator, CacheSpec, CapacityError, CheckpointRef, Evicted, Hit, RestoreCheckpoint, SaveCheckpoint,
+    TransactionError,
+)  # fmt: skip
+from tests.cache.snapshot import canonical
+
+
+def dense(pages=8, page_size=2, prefix_cache=True, fault=None) -> CacheCoordinator:
+    return CacheCoordinator(CacheSpec(page_size, pages, 0, 0, False, None, prefix_cache), fault=fault)
+
+
+def hybrid(pages=12, slots=4, windows=0, page_size=2, fault=None) -> CacheCoordinator:
+    return CacheCoordinator(CacheSpec(page_size, pages, slots, windows, True, 4, True), fault=fault)
+
+
+def run(coord, rid, tokens, *, state_slots=0, window_slots=0, publish=True, checkpoint=False):
+    """Admit a request for all of `tokens` in one transaction, then publish all of it."""
+    with coord.begin(rid) as txn:
+        hit = txn.match(tokens)
+        txn.reserve(tokens=len(tokens) - hit.length, state_slots=state_slots, window_slots=window_slots)
+        grant = txn.commit()
+    published = coord.publish(rid, tokens, len(tokens), checkpoint=checkpoint) if publish else None
+    coord.check_integrity()
+    return hit, grant, published
+
+
+# ---- dense -----------------------------------------------------------------------
+
+
+def test_admit_publish_and_hit_with_exact_pages():
+    coord = dense()
+    hit, grant, published = run(coord, 1, [1, 2, 3, 4, 5])
+    assert hit == Hit(0, (), None)
+    assert grant.pages == (0, 1, 2) and grant.cursor == 5 and grant.cached_tokens == 0 and grant.ops == ()
+    # the partial page (token 5) stays private to the request
+    assert (published.cached_tokens, published.inserted_tokens) == (4, 4)
+    hit, grant, _ = run(coord, 2, [1, 2, 3, 4, 9, 9], publish=False)
+    assert hit.length == 4 and hit.pages == (0, 1)
+    assert grant.pages == (0, 1, 3) and grant.cursor == 6 and grant.cached_tokens == 4
+    assert coord.stats()["pools"]["gpu_pages"] == {"total": 8, "free": 4, "cached": 2, "in_use": 2}
+
+
+def test_at_least_one_prompt_token_is_recomputed():
+    coord = dense()
+    run(coord, 1, [1, 2, 3, 4])
+    coord.release(1)
+    # the whole prompt is cached, but its last token must run to produce logits
+    hit, grant, _ = run(coord, 2, [1, 2, 3, 4], publish=False)
+    assert hit.length == 2 and hit.pages == (0,) and grant.pages == (0, 2) and grant.cursor == 4
+
+
+def test_reserve_evicts_the_least_recently_used_unreferenced_leaf():
+    coord = dense(pages=6)
+    for rid, tokens in ((1, [1, 1, 1, 1]), (2, [2, 2, 2, 2]), (3, [3, 3])):
+        run(coord, rid, tokens)
+        coord.release(rid)
+    run(coord, 4, [1, 1, 1, 1, 7], publish=False)  # hits [1,1,1,1]: it becomes the most recent
+    coord.release(4)
+    assert coord.pages.free_ids() == [5]  # page 5 was request 4's own and went back
+    with coord.begin(5) as txn:
+        txn.reserve(tokens=6)  # 3 pages: evicts [2,2,2,2], the LRU leaf, whose pages come first
+        grant = txn.commit()
+    assert grant.pages == (2, 3, 5)
+    assert coord.tree.match((3, 3, 0), 3).length == 2 and coord.tree.match((2, 2, 0), 3).length == 0
+    coord.check_integrity()
+
+
+def test_capacity_error_changes_nothing_and_keeps_the_transaction_open():
+    coord = dense(pages=4)
+    run(coord, 1, [1, 2, 3, 4])  # 2 pages cached and locked by request 1
+    txn = coord.begin(2)
+    before = canonical(coord)
+    with pytest.raises(CapacityError) as err:
+        txn.reserve(tokens=6)
+    assert (err.value.needed, err.value.free, err.value.evictable) == (3, 2, 0)
+    assert canonical(coord) == before and txn.open
+    txn.reserve(tokens=4)
+    assert txn.commit().pages == (2, 3)
+    coord.check_integrity()
+
+
+def test_rollback_restores_evictions_pools_locks_and_cursor_exactly():
+    coord = dense(pages=4)
+    for rid, tokens in ((1, [1, 2, 3, 4]), (2, [9, 9])):
+        run(coord, rid, tokens)
+        coord.release(rid)
+    run(coord, 3, [5, 6], publish=False)
+    before = canonical(coord)
+    txn = coord.begin(4)
+    assert txn.match([1, 2, 3, 4, 8]).pages == (0, 1)
+    txn.reserve(tokens=1)  # evicts [9, 9] for its page
+    assert coord.requests[4].pages == [0, 1, 2] and coord.tree.match((9, 9), 2).length == 0
+    with pytest.raises(CapacityError):
+        txn.reserve(pages=1)
+    coord.check_integrity(allow_open_transaction=True)
+    txn.rollback()
+    assert canonical(coord) == before and 4 not in coord.requests
+    coord.check_integrity()
+
+
+def test_a_failure_inside_the_with_block_rolls_back():
+    coord = dense(pages=4)
+    run(coord, 1, [1, 2, 3, 4])
+    coord.release(1)
+    before = canonical(coord)
+    with pytest.raises(RuntimeError):
+        with coord.begin(2) as txn:
+            txn.reserve(tokens=8)  # evicts the cached [1, 2, 3, 4]
+            raise RuntimeError("the step could not be planned")
+    assert canonical(coord) == before
+    coord.check_integrity()
+
+
+class Faults:
+    """A fault hook that raises OSError at the named points it is armed for."""
+
+    def __init__(self):
+        self.armed: set[str] = set()
+
+    def __call__(self, name: str) -> None:
+        if name in self.armed:
+            raise OSError(name)
+
+
+def test_a_fault_between_eviction_and_allocation_undoes_the_eviction():
+    faults = Faults()
+    coord = dense(pages=4, fault=faults)
+    run(coord, 1, [1, 2, 3, 4])
+    coord.release(1)
+    txn = coord.begin(2)
+    before = canonical(coord)
+    faults.armed.add("reserve.evicted")
+    with pytest.raises(OSError):
+        txn.reserve(tokens=8)
+    assert canonical(coord) == before and txn.open
+    txn.rollback()
+    coord.check_integrity()
+
+
+def test_duplicate_pages_stay_the_requests_own_until_release():
+    coord = dense()
+    run(coord, 1, [1, 2, 3, 4], publish=False)
+    run(coord, 2, [1, 2, 3, 4], publish=False)  # computed the same prefix concurrently
+    assert coord.publish(1, [1, 2, 3, 4], 4).inserted_tokens == 4
+    second = coord.publish(2, [1, 2, 3, 4], 4)
+    assert (second.cached_tokens, second.inserted_tokens) == (4, 0)
+    assert coord.requests[2].pages == [2, 3] and coord.requests[2].owned_pages(2) == [2, 3]
+    coord.check_integrity()
+    coord.release(2)
+    assert coord.pages.free_ids()[:2] == [2, 3]
+    assert coord.tree.path_pages(coord.tree.match((1, 2, 3, 4), 4).node, 4) == [0, 1]
+    coord.check_integrity()
+
+
+def test_pause_keeps_the_published_prefix_and_resume_hits_it():
+    coord = dense()
+    run(coord, 1, [1, 2, 3, 4, 5, 6], publish=False)
+    coord.publish(1, [1, 2, 3, 4, 5, 6], 3)  # only [1, 2] (page 0) is published
+    coord.pause(1)
+    assert coord.requests[1].pages == [] and coord.pages.free_ids()[:2] == [1, 2]
+    coord.check_integrity()
+    hit, grant, _ = run(coord, 1, [1, 2, 3, 4, 5, 6], publish=False)
+    assert hit.pages == (0,) and grant.pages == (0, 1, 2)
+
+
+def test_flush_drops_every_unreferenced_entry():
+    coord = dense()
+    run(coord, 1, [1, 2, 3, 4])
+    run(coord, 2, [5, 6, 7, 8])
+    coord.release(1)
+    assert coord.flush().pages == 2
+    assert coord.tree.cached_pages == 2  # request 2's published pages are still locked
+    coord.release(2)
+    coord.flush()
+    assert coord.pages.free_count == 8 and coord.tree.num_nodes == 0
+    coord.check_integrity()
+
+
+def test_publish_moves_the_lock_deeper_and_never_up():
+    coord = dense()
+    run(coord, 1, [1, 2, 3, 4, 5, 6], publish=False)
+    assert coord.publish(1, [1, 2, 3, 4, 5, 6], 4).cached_tokens == 4
+    assert coord.publish(1, [1, 2, 3, 4, 5, 6], 2).cached_tokens == 4
+    assert coord.requests[1].lock.depth == 4
+    assert coord.publish(1, [1, 2, 3, 4, 5, 6], 6).inserted_tokens == 2
+    assert coord.tree.evictable_pages == 0
+    coord.check_integrity()
+
+
+def test_a_hit_inside_an_edge_locks_it_and_publishing_splits_the_lock_exactly():
+    coord = dense(pages=12, page_size=1)
+    run(coord, 1, [1, 2, 3, 4, 5, 6])
+    coord.release(1)
+    hit, grant, _ = run(coord, 2, [1, 2, 3, 9], publish=False)
+    assert hit.pages == (0, 1, 2) and grant.pages == (0, 1, 2, 6)
+    assert coord.tree.evictable_pages == 0  # the whole containing edge [1..6] is locked
+    assert coord.publish(2, [1, 2, 3, 9], 4).inserted_tokens == 1
+    # split at 3: [1,2,3] stays locked (request 2's path), [4,5,6] is free to go
+    assert coord.tree.evictable_pages == 3
+    assert coord.evict(pages=1) == Evicted(pages=3, checkpoints=0)
+    coord.check_integrity()
+
+
+def test_prefix_cache_off_finds_and_keeps_nothing():
+    coord = dense(prefix_cache=False)
+    run(coord, 1, [1, 2, 3, 4])
+    coord.release(1)
+    hit, grant, published = run(coord, 2, [1, 2, 3, 4])
+    assert hit.length == 0 and published.cached_tokens == 0 and coord.tree.num_nodes == 0
+    assert grant.pages == (0, 1)
+
+
+def test_the_api_refuses_calls_out_of_order():
+    coord = dense()
+    txn = coord.begin(1)
+    with pytest.raises(TransactionError):
+        coord.begin(2)
+    with pytest.raises(TransactionError):
+        coord.publish(1, [1, 2], 2)
+    with pytest.raises(AssertionError, match="transaction open"):
+        coord.check_integrity()
+    coord.check_integrity(allow_open_transaction=True)
+    txn.reserve(tokens=2)
+    with pytest.raises(TransactionError):
+        txn.match([1, 2, 3])
+    txn.commit()
+    with pytest.raises(TransactionError):
+        txn.commit()
+    with pytest.raises(TransactionError):
+        coord.begin(1).match([1, 2, 3])  # a running request matched already
+    coord._txn.rollback()
+    with pytest.raises(ValueError):
+        coord.publish(1, [1, 2, 3], 3)  # beyond its cursor
+    with pytest.raises(TransactionError):
+        coord.release(9)
+
+
+def test_check_integrity_names_a_leaked_page():
+    coord = dense()
+    run(coord, 1, [1, 2, 3], publish=False)
+    coord.requests[1].pages.pop()  # page 1 is no longer anybody's
+    coord.requests[1].cursor = 2
+    with pytest.raises(AssertionError, match=r"pages: free 6 \+ owned 1 \+ cached 0 = 7 != 8; missing \[1\]"):
+        coord.check_integrity()
+
+
+# ---- hybrid ----------------------------------------------------------------------
+
+
+def test_hybrid_hits_the_deepest_checkpoint_and_restores_it():
+    coord = hybrid()
+    _, grant, published = run(coord, 1, [1, 2, 3, 4, 5, 6], state_slots=1, checkpoint=True)
+    assert grant.state_slots == (0,)
+    assert published.ops == (SaveCheckpoint(src_slot=0, dst_slot=1, length=6),)
+    coord.release(1)
+    # [1..6] is cached with a checkpoint at 6, but the prompt ends there: 6 > len - 1
+    hit, grant, _ = run(coord, 2, [1, 2, 3, 4, 5, 6], state_slots=1, publish=False)
+    assert hit.length == 0 and grant.ops == ()
+    coord.release(2)
+    hit, grant, _ = run(coord, 3, [1, 2, 3, 4, 5, 6, 7], state_slots=1, publish=False)
+    assert hit == Hit(6, (0, 1, 2), CheckpointRef(slot=1, window=None, length=6))
+    assert grant.ops == (RestoreCheckpoint(src_slot=1, dst_slot=0, length=6),)
+    assert coord.tree.evictable_checkpoints == 0  # pinned while request 3 may still be copying it
+
+
+def test_hybrid_ignores_cached_pages_beyond_the_last_checkpoint():
+    coord = hybrid()
+    run(coord, 1, [1, 2, 3, 4, 5, 6], state_slots=1, publish=False)
+    coord.publish(1, [1, 2, 3, 4, 5, 6], 4, checkpoint=False)
+    coord.publish(1, [1, 2, 3, 4, 5, 6], 4, checkpoint=True)  # the state is at 4 only in tests
+    coord.publish(1, [1, 2, 3, 4, 5, 6], 6)  # no checkpoint at 6
+    coord.release(1)
+    hit, _, _ = run(coord, 2, [1, 2, 3, 4, 5, 6, 7], state_slots=1, publish=False)
+    assert hit.length == 4 and hit.checkpoint.length == 4
+
+
+def test_a_checkpoint_hit_without_a_live_slot_is_refused_and_rolled_back():
+    coord = hybrid()
+    run(coord, 1, [1, 2, 3, 4], state_slots=1, checkpoint=True)
+    coord.release(1)
+    before = canonical(coord)
+    txn = coord.begin(2)
+    txn.match([1, 2, 3, 4, 5])
+    with pytest.raises(TransactionError):
+        txn.commit()
+    assert not txn.open and canonical(coord) == before
+
+
+def test_checkpoints_are_evicted_lru_when_state_slots_run_out():
+    coord = hybrid(slots=4)
+    for rid, tokens in ((1, [1, 1]), (2, [2, 2]), (3, [3, 3])):
+        run(coord, rid, tokens, state_slots=1, checkpoint=True)
+        coord.release(rid)
+    # each request lived in slot 0 and checkpointed into the next fresh slot
+    assert [coord.tree.match((k, k, 0), 3).checkpoint_node.checkpoint.slot for k in (1, 2, 3)] == [1, 2, 3]
+    with coord.begin(4) as txn:
+        txn.reserve(tokens=2, state_slots=2)  # free slot 0, then evict the LRU checkpoint (slot 1)
+        grant = txn.commit()
+    assert grant.state_slots == (1, 0)
+    assert coord.tree.match((1, 1, 0), 3).checkpoint_node is None
+    # the pages of [1, 1] lost their checkpoint: useless now, so they go before the older useful ones
+    assert coord.evict(pages=1) == Evicted(pages=1, checkpoints=0)
+    assert coord.tree.match((1, 1, 0), 3).length == 0 and coord.tree.match((2, 2, 0), 3).length == 2
+    coord.check_integrity()
+
+
+def test_a_drafting_requests_checkpoint_carries_its_window():
+    coord = hybrid(windows=2)
+    _, grant, published = run(coord, 1, [1, 2, 3, 4], state_slots=1, window_slots=1, checkpoint=True)
+    assert published.ops == (SaveCheckpoint(src_slot=0, dst_slot=1, length=4, src_window=0, dst_window=1),)
+    coord.release(1)
+    _, grant, _ = run(coord, 2, [1, 2, 3, 4, 5], state_slots=1, window_slots=1, publish=False)
+    assert grant.ops == (RestoreCheckpoint(src_slot=1, dst_slot=0, length=4, src_window=1, dst_window=0),)
+
+
+def test_publish_without_a_slot_to_spare_keeps_the_pages_and_skips_the_checkpoint():
+    coord = hybrid(slots=1)
+    _, _, published = run(coord, 1, [1, 2, 3, 4], state_slots=1, checkpoint=True)
+    assert published.cached_tokens == 4 and published.ops == ()
+
+
+@pytest.mark.parametrize("point", ["publish.inserted", "publish.checkpointed"])
+def test_a_failure_mid_publish_undoes_all_of_it(point):
+    faults = Faults()
+    coord = hybrid(slots=2, fault=faults)
+    run(coord, 1, [7, 7], state_slots=1, checkpoint=True)  # occupies the spare slot
+    coord.release(1)
+    run(coord, 2, [1, 2, 3, 4, 5, 6], state_slots=1, publish=False)
+    coord.publish(2, [1, 2, 3, 4, 5, 6], 2)
+    before = canonical(coord)
+    faults.armed.add(point)
+    with pytest.raises(OSError):
+        coord.publish(2, [1, 2, 3, 4, 5, 6], 6, checkpoint=True)  # evicts [7,7]'s checkpoint on the way
+    assert canonical(coord) == before
+    coord.check_integrity()
+    faults.armed.clear()
+    assert coord.publish(2, [1, 2, 3, 4, 5, 6], 6, checkpoint=True).ops == (SaveCheckpoint(0, 1, 6),)
+    coord.check_integrity()
