@@ -40,8 +40,9 @@ class CacheConfig:
     page_size: int
     max_total_tokens: int  # device KV capacity in tokens (a multiple of page_size)
     prefix_cache: bool
-    checkpoint_interval: int | None
-    state_slots: int | None
+    hybrid: bool  # the model has linear-attention layers (state slots, checkpoints)
+    checkpoint_interval: int | None  # hybrid: tokens between checkpoints; None for dense models
+    state_slots: int  # hybrid: linear-state slots, live states and checkpoints together; 0 for dense
     cpu_cache_gb: float
     disk_cache_dir: str | None
     disk_cache_gb: float | None
@@ -185,8 +186,6 @@ def _not_built_yet(args: argparse.Namespace) -> list[str]:
     if args.tp != 1:
         pending.append("--tp")
     for flag, value in (
-        ("--checkpoint-interval", args.checkpoint_interval),
-        ("--state-slots", args.state_slots),
         ("--disk-cache-dir", args.disk_cache_dir),
         ("--disk-cache-gb", args.disk_cache_gb),
         ("--draft-window", args.draft_window),
@@ -220,6 +219,37 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise ConfigError("--name may hold only letters, digits, '_' and '.', at most 32 characters")
     if args.model not in BUILTIN_MODELS and not Path(args.model, "config.json").is_file():
         raise ConfigError(f"--model {args.model}: not a built-in model and no config.json in that folder")
+
+
+def _read_hf_config(model_path: str) -> dict:
+    try:
+        hf = json.loads(Path(model_path, "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model {model_path}: unreadable config.json ({exc})") from None
+    return hf.get("text_config", hf)
+
+
+def _is_hybrid(text_cfg: dict) -> bool:
+    return "linear_attention" in (text_cfg.get("layer_types") or ())
+
+
+def _resolve_checkpoints(args: argparse.Namespace, hybrid: bool, max_running: int) -> tuple[int | None, int]:
+    """(checkpoint interval, state slots) for the model; exits 2 on a bad combination."""
+    if not hybrid:
+        for flag, value in (("--checkpoint-interval", args.checkpoint_interval), ("--state-slots", args.state_slots)):
+            if value is not None:
+                raise ConfigError(f"{flag} applies to hybrid models only; {args.model} has no linear attention")
+        return None, 0
+    interval = args.checkpoint_interval or 16 * args.page_size
+    if interval % args.page_size:
+        raise ConfigError(f"--checkpoint-interval ({interval}) must be a multiple of --page-size ({args.page_size})")
+    slots = args.state_slots or 3 * max_running
+    if slots < max_running or (slots == max_running and not args.no_prefix_cache):
+        raise ConfigError(
+            f"--state-slots ({slots}) must exceed --max-running-requests ({max_running}): "
+            "each running request holds a live state slot and checkpoints need the rest"
+        )
+    return interval, slots
 
 
 def _valid_name(name: str) -> bool:
@@ -281,6 +311,9 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     name = args.name or f"hkv{args.port}"
     on_cpu = device == "cpu"
     max_total = args.max_total_tokens or (32768 if on_cpu else 262144)
+    max_running = args.max_running_requests or (32 if on_cpu else 256)
+    hybrid = _is_hybrid(_read_hf_config(path))
+    interval, state_slots = _resolve_checkpoints(args, hybrid, max_running)
     run_dir = tempfile.mkdtemp(prefix=f"hkv-{name}-")  # mode 0700
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads()),
@@ -288,14 +321,15 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             page_size=args.page_size,
             max_total_tokens=max_total,
             prefix_cache=not args.no_prefix_cache,
-            checkpoint_interval=args.checkpoint_interval,
-            state_slots=args.state_slots,
+            hybrid=hybrid,
+            checkpoint_interval=interval,
+            state_slots=state_slots,
             cpu_cache_gb=args.cpu_cache_gb,
             disk_cache_dir=args.disk_cache_dir,
             disk_cache_gb=args.disk_cache_gb,
         ),
         scheduler=SchedulerConfig(
-            max_running_requests=args.max_running_requests or (32 if on_cpu else 256),
+            max_running_requests=max_running,
             chunked_prefill_size=args.chunked_prefill_size or (512 if on_cpu else 8192),
             max_queued_requests=4096,
         ),

@@ -17,11 +17,13 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from hkv.ipc import request_table, stats
 from hkv.ipc.shm import (
     Registry,
     RegionMissing,
     SegmentInfo,
     ShmError,
+    ShmRegion,
     list_segments,
     sweep_orphans,
     validate_instance,
@@ -33,19 +35,58 @@ class InstanceNotFound(Exception):
 
 
 def inspect_instance(name: str) -> dict[str, Any]:
-    """Read a live instance's shared memory read-only and describe it.
+    """Read a live instance's shared memory read-only and describe it (DESIGN.md section 6).
 
-    Today: the registry's regions. Pools, requests, radix and tiers (DESIGN.md
-    section 6) are added here as their regions land. Raises InstanceNotFound,
-    or ShmError when the registry is corrupt or mid-write.
+    Returns {"instance", "pools", "radix", "tiers", "requests", "steps", "regions"}.
+    Raises InstanceNotFound, or ShmError when a region is corrupt or mid-write.
     """
     try:
         registry = Registry.attach(name, readonly=True)
     except RegionMissing:
         raise InstanceNotFound(f"no hkv instance named {name!r} on this host") from None
     with registry:
-        regions = [asdict(entry) for entry in registry.entries()]
-    return {"instance": name, "regions": regions}
+        entries = {entry.region: entry for entry in registry.entries()}
+    report: dict[str, Any] = {"instance": name, "regions": [asdict(e) for e in entries.values()]}
+    if stats.REGION in entries:
+        report.update(_read_stats(name))
+    if request_table.REGION in entries:
+        report["requests"] = _read_requests(name, entries[request_table.REGION].layout)
+    return report
+
+
+def _read_stats(name: str) -> dict[str, Any]:
+    with ShmRegion.attach(name, stats.REGION, readonly=True) as region:
+        view = stats.RouterStats(region.payload)
+        values = view.read()
+        view.release_views()
+    pools = {}
+    for key, prefix in (("gpu_pages", "pages"), ("state_slots", "state_slots"), ("window_slots", "window_slots")):
+        total, free, cached = (int(values[f"{prefix}_{f}"]) for f in ("total", "free", "cached"))
+        pools[key] = {"total": total, "free": free, "cached": cached, "in_use": total - free - cached}
+    # The CPU tier arrives with the cache worker; until then it holds nothing.
+    pools["cpu_pages"] = {"total": 0, "free": 0, "cached": 0, "in_use": 0}
+    page_size = int(values["page_size"]) if "page_size" in values else None
+    radix = {
+        "nodes": int(values["radix_nodes"]),
+        "cached_pages": pools["gpu_pages"]["cached"],
+        "checkpoints": int(values["radix_checkpoints"]),
+        "evictable_pages": int(values["radix_evictable_pages"]),
+    }
+    if page_size:
+        radix["cached_tokens"] = radix["cached_pages"] * page_size
+    steps = {k: values[k] for k in ("steps", "step_wall_s", "forward_s", "prefill_tokens", "decode_tokens",
+                                    "preemptions", "waiting", "running", "flushes")}
+    tiers = {"gpu": {"cached_tokens_served": int(values["requests_cached_tokens"])},
+             "cpu": {"enabled": False}, "disk": {"enabled": False}}
+    return {"pools": pools, "radix": radix, "tiers": tiers, "steps": steps}
+
+
+def _read_requests(name: str, layout: dict) -> list[dict]:
+    with ShmRegion.attach(name, request_table.REGION, readonly=True) as region:
+        table = request_table.RequestTable(request_table.TableLayout(**layout), region.payload)
+        rows = table.snapshot()
+        table.release_views()
+    return rows
 
 
 def _print_segments(segments: list[SegmentInfo], as_json: bool) -> None:
@@ -68,8 +109,15 @@ def _print_instance(report: dict[str, Any], as_json: bool) -> None:
         return
     print(f"instance {report['instance']}: {len(report['regions'])} regions")
     for region in report["regions"]:
-        print(f"  {region['region']:<20} writer={region['writer']} "
-              f"version={region['version']} creator_pid={region['creator_pid']}")
+        print(f"  region {region['region']:<20} writer={region['writer']} version={region['version']}")
+    for key, pool in report.get("pools", {}).items():
+        print(f"  {key:<13} total={pool['total']:<8} free={pool['free']:<8} cached={pool['cached']:<8} "
+              f"in_use={pool['in_use']}")
+    if "radix" in report:
+        print("  radix         " + " ".join(f"{k}={v}" for k, v in report["radix"].items()))
+    for row in report.get("requests", []):
+        print(f"  slot {row['slot']:<4} req {row['req_id']:<8} {row['phase']:<8} prompt={row['prompt_len']} "
+              f"output={row['output_len']} kv={row['kv_len']} cached={row['cached_len']} pages={row['pages']}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -307,8 +307,13 @@ class Api:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def cache_flush(self, request: web.Request) -> web.Response:
-        # No prefix cache is wired to the api yet (no flush message on the router link): nothing to drop.
-        return _json({"flushed": 0})
+        if not self.link.ready:
+            raise ProtocolError(503, "the engine is not ready", None, "not_ready")
+        try:
+            done = await asyncio.wait_for(self.link.flush_cache(), FLUSH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ProtocolError(503, "the router did not answer the flush in time", None, "busy") from None
+        return _json({"flushed": True, "pages": done.pages, "checkpoints": done.checkpoints})
 
     # ---- drain ---------------------------------------------------------------
 
@@ -333,6 +338,9 @@ class Api:
         self.link.fail_all("the server is shutting down", "abort")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
+
+
+FLUSH_TIMEOUT_S = 30.0
 
 
 def _site_url(runner: web.AppRunner) -> str:

@@ -39,8 +39,8 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRun
     kv = KVPool(layout, loaded.model.layer_map)
     log.info("KV pool: %d pages x %d tokens, %.1f MiB", layout.num_pages, layout.page_size,
              layout.bytes_per_page() * layout.num_pages / 2**20)
-    # One live linear-state slot per request-table slot (hybrid models only).
-    state_layout = loaded.model.state_layout(cfg.scheduler.max_running_requests, device=cfg.model.device)
+    # Live states and checkpoints share one pool of slots (hybrid models only).
+    state_layout = loaded.model.state_layout(cfg.cache.state_slots, device=cfg.model.device)
     state = StatePool(state_layout) if state_layout is not None else None
     if state is not None:
         log.info("state pool: %d slots, %.2f MiB each", state_layout.num_slots, state_layout.bytes_per_slot / 2**20)

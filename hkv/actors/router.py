@@ -19,13 +19,16 @@ from pathlib import Path
 import zmq.asyncio
 
 from hkv.config import HkvConfig
-from hkv.engine.pages import PageAllocator
+from hkv.cache.coordinator import CacheCoordinator
+from hkv.cache.types import CacheSpec
 from hkv.engine.scheduler import Scheduler, SchedulerLimits
 from hkv.ipc import request_table, stats
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import (
     AbortRequest,
+    CacheFlushed,
     EngineState,
+    FlushCache,
     GenerateRequest,
     Inbound,
     Outbound,
@@ -63,16 +66,22 @@ class Router:
         router_stats: stats.RouterStats,
     ):
         max_context, eos_ids = model_limits(cfg.model.path)
+        c = cfg.cache
         limits = SchedulerLimits(
-            page_size=cfg.cache.page_size,
+            page_size=c.page_size,
             max_running=cfg.scheduler.max_running_requests,
             token_budget=cfg.scheduler.chunked_prefill_size,
             max_context=max_context,
             eos_ids=eos_ids,
+            hybrid=c.hybrid,
+            checkpoint_interval=c.checkpoint_interval,
         )
-        self.scheduler = Scheduler(limits, PageAllocator(cfg.cache.num_pages), table)
+        spec = CacheSpec(c.page_size, c.num_pages, c.state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
+        self.coord = CacheCoordinator(spec)
+        self.scheduler = Scheduler(limits, self.coord, table)
         self.stats = router_stats
-        self.stats.set("pages_total", cfg.cache.num_pages)
+        self.debug = cfg.server.log_level == "debug"  # check the books after every step
+        self._pending_flushes: list[int] = []
         self.inbox: Receiver[Inbound] = Receiver(zctx, cfg.ipc_address("router_in"), Inbound, "router_in")
         self.results: Receiver[RankOutbound] = Receiver(
             zctx, cfg.ipc_address("router_results"), RankOutbound, "router_results"
@@ -91,10 +100,12 @@ class Router:
                 log.info("rank %d ready with %d KV pages", msg.rank, msg.kv_pages)
 
     async def run(self) -> None:
+        self.record_pools()
         await self.to_api.send(EngineState(ready=True, alive=True, waiting=0, running=0))
         stuck = False  # nothing could run: only a new request or an abort can change that
         while True:
             await self.drain_inbox(block=stuck or not self.scheduler.has_work())
+            await self.answer_flushes()
             started = time.perf_counter()
             plan = self.scheduler.schedule()
             stuck = plan is None
@@ -117,6 +128,17 @@ class Router:
             self.scheduler.add(msg)
         elif isinstance(msg, AbortRequest):
             self.scheduler.abort(msg.req_id)
+        elif isinstance(msg, FlushCache):
+            self._pending_flushes.append(msg.flush_id)
+
+    async def answer_flushes(self) -> None:
+        """Flush between steps (never inside a transaction) and tell the api what it freed."""
+        while self._pending_flushes:
+            flush_id = self._pending_flushes.pop(0)
+            pages, checkpoints = self.scheduler.flush()
+            self.stats.add("flushes", 1)
+            self.record_pools()
+            await self.to_api.send(CacheFlushed(flush_id, pages, checkpoints))
 
     async def run_step(self, plan: StepPlan) -> StepResult:
         for sender in self.to_ranks:
@@ -137,9 +159,30 @@ class Router:
         s.set("preemptions", sched.preemptions)
         s.set("waiting", len(sched.waiting))
         s.set("running", len(sched.running))
-        s.set("pages_free", sched.pages.free_count)
+        self.record_pools()
+        if self.debug:
+            self.coord.check_integrity()
+
+    def record_pools(self) -> None:
+        """Pool and radix gauges for hkv-inspect and /metrics (O(1) counters only)."""
+        s, coord, tree = self.stats, self.coord, self.coord.tree
+        for key, pool, cached in (
+            ("pages", coord.pages, tree.cached_pages),
+            ("state_slots", coord.state_slots, tree.num_checkpoints),
+            ("window_slots", coord.window_slots, 0),
+        ):
+            s.set(f"{key}_total", pool.size)
+            s.set(f"{key}_free", pool.free_count)
+            s.set(f"{key}_cached", cached)
+        s.set("page_size", self.coord.spec.page_size)
+        s.set("radix_nodes", tree.num_nodes)
+        s.set("radix_checkpoints", tree.num_checkpoints)
+        s.set("radix_evictable_pages", tree.evictable_pages)
 
     async def publish(self, deltas) -> None:
+        for delta in deltas:
+            if delta.finish_reason is not None:
+                self.stats.add("requests_cached_tokens", delta.cached_tokens)
         if deltas:
             await self.to_api.send(TokenBatch(deltas))
 

@@ -28,17 +28,22 @@ class ModelRunner:
         self.page_size = page_size
         self.device = torch.device(device)
         self.sampling: dict[int, SamplingParams] = {}  # slot -> params of the sequence in it
+        self.state_slots: dict[int, int] = {}  # slot -> live linear-state slot of its sequence
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan; failures become a StepResult with `error` set."""
         for slot in plan.freed:
             self.sampling.pop(slot, None)
+            self.state_slots.pop(slot, None)
         for seq in plan.new:
             self.sampling[seq.slot] = seq.sampling
+            if seq.state_slot is not None:
+                self.state_slots[seq.slot] = seq.state_slot
         forward_s = 0.0
         try:
             with torch.inference_mode():
                 batch = self.build_batch(plan)
+                self._run_cache_ops(plan)
                 self._reset_fresh_states(plan)
                 start = time.perf_counter()
                 logits = self.model(batch, self.kv, self.state)  # [S, vocab]
@@ -55,13 +60,23 @@ class ModelRunner:
         sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(slots, outs)]
         return StepResult(plan.step, sampled, forward_s)
 
+    def _run_cache_ops(self, plan: StepPlan) -> None:
+        """Checkpoint saves and restores, in the order the router emitted them."""
+        for op in plan.ops:
+            if op.src_window is not None or op.dst_window is not None:
+                raise NotImplementedError("draft-window checkpoints arrive with speculative decoding")
+            self.state.copy_slot(op.src_slot, op.dst_slot)
+
     def _reset_fresh_states(self, plan: StepPlan) -> None:
-        """A sequence computing from position 0 starts from zero linear state."""
+        """A sequence computing from position 0 starts from zero linear state (after the ops)."""
         if self.state is None:
             return
         for chunk in plan.chunks:
             if chunk.start_pos == 0:
-                self.state.zero_slot(chunk.slot)
+                self.state.zero_slot(self.state_slots[chunk.slot])
+
+    def _state_slot_tensor(self, slots: np.ndarray) -> torch.Tensor:
+        return torch.tensor([self.state_slots[s] for s in slots.tolist()], dtype=torch.long, device=self.device)
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         """Flatten the plan's chunks into one ragged batch (see hkv/models/batch.py)."""
@@ -88,6 +103,5 @@ class ModelRunner:
             page_table=torch.from_numpy(page_table).to(dev),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             logits_indices=torch.from_numpy(logits_indices).to(dev),
-            # The live linear state of a sequence sits in the state slot numbered like its table slot.
-            state_slots=None if self.state is None else torch.from_numpy(slots).to(dev),
+            state_slots=None if self.state is None else self._state_slot_tensor(slots),
         )

@@ -2,18 +2,21 @@
 
 Pure logic, no sockets. The router feeds it requests and aborts, asks it for
 the next `StepPlan`, and hands it each `StepResult`; it answers with the
-`TokenDelta`s to stream. It writes each scheduled slot's page ids into the
-request table before the plan leaves.
+`TokenDelta`s to stream. Every page and state slot comes from the
+CacheCoordinator through a transaction, so a sequence that cannot get what
+its step needs changes nothing and waits (or preempts a newer one).
 
 A sequence's tokens are its prompt followed by its output. Each step runs one
 chunk of the tokens whose K/V are not computed yet:
 
     all_ids:   [ p0 p1 ... p(P-1) | o0 o1 ... o(k-1) ]
-                 <---- kv_len ---->< chunk ->
+                 <-- cached --><-- kv_len --><- chunk ->
     sample a new token iff the chunk reaches the end of all_ids
 
-so a prompt's last chunk and every decode step (a chunk of one token, the
-last output) sample, and a preempted sequence resumes by recomputing.
+A new (or preempted) sequence starts at the longest cached prefix the
+coordinator matches; at least one token is always recomputed. On a hybrid
+model chunks end on checkpoint boundaries (every --checkpoint-interval
+tokens and the prompt's last page boundary) and the state there is saved.
 """
 
 from __future__ import annotations
@@ -22,16 +25,10 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from hkv.engine.pages import PageAllocator
-from hkv.ipc.messages import (
-    Chunk,
-    GenerateRequest,
-    NewSequence,
-    SamplingParams,
-    StepPlan,
-    StepResult,
-    TokenDelta,
-)
+from hkv.cache.coordinator import CacheCoordinator
+from hkv.cache.errors import CapacityError
+from hkv.cache.types import CacheOp
+from hkv.ipc.messages import Chunk, GenerateRequest, NewSequence, SamplingParams, StepPlan, StepResult, TokenDelta
 from hkv.ipc.request_table import RequestTable, SlotPhase
 
 
@@ -42,6 +39,8 @@ class SchedulerLimits:
     token_budget: int  # tokens per step, decode and prefill together
     max_context: int  # the model's context length
     eos_ids: frozenset[int]
+    hybrid: bool = False  # the model has linear-attention state (one live slot per sequence)
+    checkpoint_interval: int | None = None  # hybrid: prefill chunks end on multiples of this
 
 
 @dataclass
@@ -51,13 +50,18 @@ class Sequence:
     sampling: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # request-table row while admitted
-    pages: list[int] = field(default_factory=list)  # page ids, in order
+    state_slot: int | None = None  # live linear-state slot while admitted (hybrid)
+    pages: list[int] = field(default_factory=list)  # page ids, in order (shared prefix pages first)
     kv_len: int = 0  # tokens of all_ids whose K/V are computed
     admit_order: int = 0  # larger = admitted later = preempted first
+    cached_tokens: int | None = None  # prompt tokens its first admission took from the cache
 
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         prompt_len = len(self.prompt_ids)
@@ -69,22 +73,23 @@ class Sequence:
 
 
 class Scheduler:
-    """Owns waiting and running sequences, their slots and pages."""
+    """Owns waiting and running sequences and their request-table rows."""
 
-    def __init__(self, limits: SchedulerLimits, pages: PageAllocator, table: RequestTable):
+    def __init__(self, limits: SchedulerLimits, coord: CacheCoordinator, table: RequestTable):
         self.limits = limits
-        self.pages = pages
+        self.coord = coord
         self.table = table
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # req_id -> sequence, in admission order
         self.free_slots: list[int] = list(range(min(limits.max_running, table.layout.slots)))[::-1]
         self.by_slot: dict[int, Sequence] = {}
-        self._step = itertools.count(1)
-        self._admit = itertools.count(1)
-        self._freed_slots: list[int] = []  # slots released since the last plan
-        self._finished: list[TokenDelta] = []  # deltas produced outside a step (aborts)
-        self._in_flight: dict[int, Sequence] | None = None  # slot -> sequence of the plan in flight
         self.preemptions = 0  # sequences preempted for pages, ever
+        self._step = itertools.count(1)
+        self._admit_counter = itertools.count(1)
+        self._freed_slots: list[int] = []  # slots released since the last plan
+        self._ops: list[CacheOp] = []  # cache ops for the next plan, in emission order
+        self._finished: list[TokenDelta] = []  # deltas produced outside a step (aborts)
+        self._in_flight: dict[int, Sequence] = {}  # slot -> sequence of the plan in flight
 
     # ---- inputs -----------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class Scheduler:
         self.waiting.append(Sequence(req.req_id, list(req.prompt_ids), req.sampling))
 
     def abort(self, req_id: int) -> None:
+        """Drop a sequence wherever it is; unknown or finished ids are ignored."""
         for seq in self.waiting:
             if seq.req_id == req_id:
                 self.waiting.remove(seq)
@@ -99,8 +105,13 @@ class Scheduler:
                 return
         seq = self.running.get(req_id)
         if seq is not None:
-            self._finish(seq)
+            self._leave(seq, publish=False)
             self._finished.append(_delta(seq, [], "abort"))
+
+    def flush(self) -> tuple[int, int]:
+        """Drop every unreferenced cache entry; returns (pages, checkpoints) freed."""
+        evicted = self.coord.flush()
+        return evicted.pages, evicted.checkpoints
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -114,7 +125,9 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when nothing can run.
 
-        Mutates: slots, pages and the request table rows of scheduled sequences.
+        Mutates: coordinator holdings, slots and the request-table rows of
+        scheduled sequences. The plan carries the cache ops emitted since the
+        last plan; ranks run them, in order, before the forward.
         """
         budget = self.limits.token_budget
         chunks: list[Chunk] = []
@@ -122,74 +135,112 @@ class Scheduler:
         for seq in list(self.running.values()):
             if seq.req_id not in self.running or budget <= 0:
                 continue
-            chunk = self._plan_chunk(seq, budget, may_preempt=True)
+            chunk = self._plan_running(seq, budget)
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= len(chunk.token_ids)
         while self.waiting and self.free_slots and budget > 0:
-            seq = self.waiting[0]
-            chunk = self._admit_and_plan(seq, budget)
+            chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break
-            self.waiting.popleft()
-            new.append(NewSequence(seq.slot, seq.req_id, seq.sampling))
+            seq = self.waiting.popleft()
+            new.append(NewSequence(seq.slot, seq.req_id, seq.sampling, seq.state_slot))
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
-        freed, self._freed_slots = self._freed_slots, []
         if not chunks:
-            self._freed_slots = freed
             self._reject_unfittable()
             return None
+        freed, self._freed_slots = self._freed_slots, []
+        ops, self._ops = self._ops, []
         self._in_flight = {c.slot: self.by_slot[c.slot] for c in chunks}
-        return StepPlan(step=next(self._step), new=new, chunks=chunks, freed=freed)
+        return StepPlan(step=next(self._step), new=new, chunks=chunks, freed=freed, ops=ops)
 
-    def _plan_chunk(self, seq: Sequence, budget: int, may_preempt: bool) -> Chunk | None:
-        n = min(seq.total_len - seq.kv_len, budget)
-        need = _pages_for(seq.kv_len + n, self.limits.page_size) - len(seq.pages)
-        while need > 0 and not self.pages.can_allocate(need):
+    def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
+        """Where a chunk starting at `start` ends: budget, the sequence's end, and on a
+        hybrid model the next checkpoint boundary (so the state there can be saved)."""
+        end = min(seq.total_len, start + budget)
+        if not self.limits.hybrid:
+            return end
+        for boundary in self._boundaries(seq, start):
+            if start < boundary < end:
+                return boundary
+        return end
+
+    def _boundaries(self, seq: Sequence, start: int) -> list[int]:
+        """Hybrid chunk boundaries after `start`: the next interval multiple, the prompt's last page boundary."""
+        ps, interval = self.limits.page_size, self.limits.checkpoint_interval
+        out = [len(seq.prompt_ids) // ps * ps]
+        if interval is not None:
+            out.append((start // interval + 1) * interval)
+        return sorted(out)
+
+    def _plan_running(self, seq: Sequence, budget: int) -> Chunk | None:
+        """Reserve this step's tokens for a running sequence, preempting newer ones if needed."""
+        end = self._chunk_end(seq, seq.kv_len, budget)
+        while True:
+            txn = self.coord.begin(seq.req_id)
+            try:
+                txn.reserve(tokens=end - seq.kv_len)
+                grant = txn.commit()
+                break
+            except CapacityError:
+                txn.rollback()
             victim = self._newest_running()
-            if not may_preempt or victim is None:
-                return None
             self._preempt(victim)
             if victim is seq:
                 return None
-        if need > 0:
-            seq.pages.extend(self.pages.allocate(need))
-        end = seq.kv_len + n
-        self._write_row(seq, end)
-        return Chunk(seq.slot, seq.token_slice(seq.kv_len, end), seq.kv_len, end == seq.total_len)
+        seq.pages = list(grant.pages)
+        self._ops.extend(grant.ops)
+        return self._chunk(seq, seq.kv_len, end)
 
-    def _admit_and_plan(self, seq: Sequence, budget: int) -> Chunk | None:
-        n = min(seq.total_len, budget)
-        need = _pages_for(n, self.limits.page_size)
-        # Leave one page per running sequence so admission does not force preemption next step.
-        if not self.pages.can_allocate(need + len(self.running)):
+    def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
+        """Admit the head of the queue at its longest cached prefix, or change nothing."""
+        txn = self.coord.begin(seq.req_id)
+        try:
+            hit = txn.match(seq.all_ids())
+            end = self._chunk_end(seq, hit.length, budget)
+            txn.reserve(tokens=end - hit.length, state_slots=1 if self.limits.hybrid else 0)
+            # Leave a page per running sequence so admitting does not force preemption next step.
+            if self._spare_pages() < len(self.running):
+                raise CapacityError("gpu_pages", len(self.running), self._spare_pages(), 0)
+            grant = txn.commit()
+        except CapacityError:
+            txn.rollback()
             return None
         seq.slot = self.free_slots.pop()
-        seq.admit_order = next(self._admit)
-        seq.pages = self.pages.allocate(need)
-        seq.kv_len = 0
+        seq.state_slot = grant.state_slots[0] if self.limits.hybrid else None
+        seq.admit_order = next(self._admit_counter)
+        seq.pages = list(grant.pages)
+        seq.kv_len = hit.length
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(hit.length, len(seq.prompt_ids))
         self.running[seq.req_id] = seq
         self.by_slot[seq.slot] = seq
-        self._write_row(seq, n)
-        return Chunk(seq.slot, seq.token_slice(0, n), 0, n == seq.total_len)
+        self._ops.extend(grant.ops)
+        return self._chunk(seq, hit.length, end)
+
+    def _spare_pages(self) -> int:
+        return self.coord.pages.free_count + self.coord.tree.evictable_pages
+
+    def _chunk(self, seq: Sequence, start: int, end: int) -> Chunk:
+        self._write_row(seq, end)
+        return Chunk(seq.slot, seq.token_slice(start, end), start, end == seq.total_len)
 
     def _reject_unfittable(self) -> None:
         """With nothing running every page is free: a head that still cannot start never will."""
         if self.running or not self.waiting or not self.free_slots:
             return
         seq = self.waiting.popleft()
-        reason = f"request needs more KV pages than the pool's {self.pages.num_pages}"
+        reason = f"request needs more KV pages than the pool's {self.coord.spec.num_pages}"
         self._finished.append(_delta(seq, [], "error", reason))
 
-    def _newest_running(self) -> Sequence | None:
-        if not self.running:
-            return None
+    def _newest_running(self) -> Sequence:
         return max(self.running.values(), key=lambda s: s.admit_order)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Give back everything the sequence holds; it recomputes from scratch later."""
-        self._release_resources(seq)
+        """Give back all but its published prefix; it resumes from a cache hit later."""
+        self.coord.pause(seq.req_id)
+        self._free_slot(seq)
         seq.kv_len = 0
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -201,41 +252,60 @@ class Scheduler:
         t.prompt_len[slot] = len(seq.prompt_ids)
         t.output_len[slot] = len(seq.output_ids)
         t.kv_len[slot] = kv_end
-        t.cached_len[slot] = 0
+        t.cached_len[slot] = seq.cached_tokens or 0
         t.phase[slot] = SlotPhase.DECODE if seq.output_ids else SlotPhase.PREFILL
 
     # ---- results ----------------------------------------------------------------
 
     def on_result(self, result: StepResult, plan: StepPlan) -> list[TokenDelta]:
         """Apply a rank's result to the plan it answers; returns deltas to stream."""
-        in_flight, self._in_flight = self._in_flight or {}, None
+        in_flight, self._in_flight = self._in_flight, {}
         deltas = self.take_finished()
         if result.error is not None:
             for seq in in_flight.values():
                 if seq.req_id in self.running:
-                    self._finish(seq)
+                    self._leave(seq, publish=False)
                     deltas.append(_delta(seq, [], "error", result.error))
             return deltas
         sampled = iter(result.sampled)
         for chunk in plan.chunks:
             seq = in_flight[chunk.slot]
+            token = next(sampled) if chunk.sample else None
             if seq.req_id not in self.running or seq.slot != chunk.slot:
-                if chunk.sample:
-                    next(sampled)  # aborted or preempted mid-step: drop its token
-                continue
+                continue  # aborted while the step ran: drop its token
             seq.kv_len = chunk.start_pos + len(chunk.token_ids)
-            if chunk.sample:
-                deltas.append(self._append_token(seq, next(sampled)))
+            if token is None:
+                self._publish(seq)
+            else:
+                deltas.append(self._append_token(seq, token))
         return deltas
 
+    def _publish(self, seq: Sequence) -> None:
+        """Cache the computed prefix; on a hybrid model save the state at a checkpoint boundary."""
+        if not self.coord.spec.prefix_cache:
+            return
+        ps, end = self.limits.page_size, seq.kv_len
+        at_page = end % ps == 0
+        if not self.limits.hybrid:
+            if at_page or end == seq.total_len:
+                self.coord.publish(seq.req_id, seq.all_ids(), end)
+            return
+        if at_page:
+            published = self.coord.publish(seq.req_id, seq.all_ids(), end, checkpoint=True)
+            self._ops.extend(published.ops)
+
     def _append_token(self, seq: Sequence, sampled) -> TokenDelta:
+        self._publish(seq)
         seq.output_ids.append(sampled.token_id)
         reason = self._finish_reason(seq, sampled.token_id)
         lp = None if sampled.logprob is None else [sampled.logprob]
         top = None if sampled.top_logprobs is None else [sampled.top_logprobs]
+        cached = seq.cached_tokens or 0
+        tiers = None
         if reason is not None:
-            self._finish(seq)
-        return TokenDelta(seq.req_id, [sampled.token_id], lp, top, reason, len(seq.prompt_ids), 0)
+            self._leave(seq, publish=True)
+            tiers = {"gpu": cached, "cpu": 0, "disk": 0, "peer": 0}
+        return TokenDelta(seq.req_id, [sampled.token_id], lp, top, reason, len(seq.prompt_ids), cached, tiers)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in self.limits.eos_ids and not seq.sampling.ignore_eos:
@@ -244,12 +314,17 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence) -> None:
-        self._release_resources(seq)
+    def _leave(self, seq: Sequence, publish: bool) -> None:
+        """Finish or abort: a dense sequence's computed prefix stays cached for later turns."""
+        if publish and not self.limits.hybrid and self.coord.spec.prefix_cache and seq.kv_len:
+            self.coord.publish(seq.req_id, seq.all_ids(), seq.kv_len)
+        self.coord.release(seq.req_id)
+        self._free_slot(seq)
+        self.running.pop(seq.req_id, None)
 
-    def _release_resources(self, seq: Sequence) -> None:
-        self.pages.free(seq.pages)
+    def _free_slot(self, seq: Sequence) -> None:
         seq.pages = []
+        seq.state_slot = None
         if seq.slot is not None:
             self.table.clear(seq.slot)
             self.by_slot.pop(seq.slot, None)
@@ -259,9 +334,7 @@ class Scheduler:
         self.running.pop(seq.req_id, None)
 
 
-def _pages_for(tokens: int, page_size: int) -> int:
-    return (tokens + page_size - 1) // page_size
-
-
 def _delta(seq: Sequence, tokens: list[int], reason: str | None, error: str | None = None) -> TokenDelta:
-    return TokenDelta(seq.req_id, tokens, None, None, reason, len(seq.prompt_ids), 0, None, error)
+    cached = seq.cached_tokens or 0
+    tiers = {"gpu": cached, "cpu": 0, "disk": 0, "peer": 0} if reason is not None else None
+    return TokenDelta(seq.req_id, tokens, None, None, reason, len(seq.prompt_ids), cached, tiers, error)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import msgspec
 
+from hkv.cache.types import CacheOp
+
 
 class SamplingParams(msgspec.Struct, frozen=True):
     """How one sequence picks its tokens; validated by the api before queueing."""
@@ -42,7 +44,13 @@ class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
     req_id: int
 
 
-Inbound = GenerateRequest | AbortRequest
+class FlushCache(msgspec.Struct, frozen=True, tag="flush"):
+    """Drop every unreferenced cache entry (POST /cache/flush); answered by CacheFlushed."""
+
+    flush_id: int  # echoed in the answer
+
+
+Inbound = GenerateRequest | AbortRequest | FlushCache
 
 
 # ---- router -> api -------------------------------------------------------------
@@ -82,7 +90,15 @@ class EngineState(msgspec.Struct, frozen=True, tag="state"):
     running: int  # requests holding KV pages
 
 
-Outbound = TokenBatch | EngineState
+class CacheFlushed(msgspec.Struct, frozen=True, tag="flushed"):
+    """The answer to FlushCache: what the flush freed."""
+
+    flush_id: int
+    pages: int  # device KV pages freed
+    checkpoints: int  # state checkpoints freed
+
+
+Outbound = TokenBatch | EngineState | CacheFlushed
 
 
 # ---- router -> rank ------------------------------------------------------------
@@ -94,6 +110,7 @@ class NewSequence(msgspec.Struct, frozen=True, array_like=True):
     slot: int  # request-table row; the page ids live there in shared memory
     req_id: int
     sampling: SamplingParams
+    state_slot: int | None = None  # live linear-state slot (hybrid models), until the slot is freed
 
 
 class Chunk(msgspec.Struct, frozen=True, array_like=True):
@@ -115,7 +132,8 @@ class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
     step: int  # monotonically increasing; the result echoes it
     new: list[NewSequence]  # sequences first scheduled in this step
     chunks: list[Chunk]  # work to run, one per scheduled sequence
-    freed: list[int]  # slots released since the previous plan (ranks drop per-slot state)
+    freed: list[int]  # slots released since the previous plan (ranks drop per-slot state first)
+    ops: list[CacheOp] = []  # cache copies to run in order, after `freed`/`new`, before the forward
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):

@@ -24,6 +24,19 @@ FIELDS = (
     "running",  # gauge: sequences holding a slot
     "pages_total",  # gauge: device KV pages
     "pages_free",  # gauge: free device KV pages
+    "pages_cached",  # gauge: pages held by the radix tree
+    "state_slots_total",  # gauge: linear-state slots (live + checkpoints); 0 for dense models
+    "state_slots_free",  # gauge
+    "state_slots_cached",  # gauge: slots holding checkpoints
+    "window_slots_total",  # gauge: MTP draft windows
+    "window_slots_free",  # gauge
+    "window_slots_cached",  # gauge
+    "radix_nodes",  # gauge
+    "radix_checkpoints",  # gauge: nodes carrying a checkpoint
+    "radix_evictable_pages",  # gauge: cached pages no request locks
+    "requests_cached_tokens",  # counter: prompt tokens served from the device cache
+    "flushes",  # counter: /cache/flush calls
+    "page_size",  # constant: tokens per KV page
 )
 NBYTES = len(FIELDS) * 8
 

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import (
     AbortRequest,
+    CacheFlushed,
     EngineState,
+    FlushCache,
     GenerateRequest,
     Inbound,
     Outbound,
@@ -89,6 +91,8 @@ class RouterLink:
         self._req_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.state: EngineState | None = None  # the router's last report; None until the first
+        self._flushes: dict[int, asyncio.Future[CacheFlushed]] = {}  # flush id -> its answer
+        self._flush_ids = itertools.count(1)
         self.first_ready = asyncio.Event()  # set once the router first reports it can admit
         self.malformed = 0  # deltas the router should never have sent (past a sequence's bound)
         self.broken: str | None = None  # why a pump task died; the link is then dead for good
@@ -182,14 +186,29 @@ class RouterLink:
             await self._sender.send(msg)
             self._outbox.task_done()
 
+    async def flush_cache(self) -> CacheFlushed:
+        """Ask the router to drop every unreferenced cache entry; waits for its answer."""
+        flush_id = next(self._flush_ids)
+        answer: asyncio.Future[CacheFlushed] = asyncio.get_running_loop().create_future()
+        self._flushes[flush_id] = answer
+        try:
+            self._outbox.put_nowait(FlushCache(flush_id))
+            return await answer
+        finally:
+            self._flushes.pop(flush_id, None)
+
     async def _pump_in(self) -> None:
         while True:
             msg = await self._receiver.get()
             if isinstance(msg, EngineState):
                 self._on_state(msg)
-                continue
-            for delta in msg.deltas:
-                self._route(delta)
+            elif isinstance(msg, CacheFlushed):
+                answer = self._flushes.get(msg.flush_id)
+                if answer is not None and not answer.done():
+                    answer.set_result(msg)
+            else:
+                for delta in msg.deltas:
+                    self._route(delta)
 
     def _on_state(self, state: EngineState) -> None:
         if state.alive is False and self.alive:

@@ -19,6 +19,8 @@ from hkv.config import HkvConfig
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import (
     AbortRequest,
+    CacheFlushed,
+    FlushCache,
     EngineState,
     GenerateRequest,
     Inbound,
@@ -52,6 +54,7 @@ class FakeRouter:
     running: dict[int, _Sequence] = field(default_factory=dict)
     seen_prompts: set[tuple[int, ...]] = field(default_factory=set)
     pending_aborts: list[TokenDelta] = field(default_factory=list)
+    pending_flushes: list[FlushCache] = field(default_factory=list)
 
     async def __aenter__(self) -> "FakeRouter":
         self._zctx = zmq.asyncio.Context()
@@ -94,6 +97,9 @@ class FakeRouter:
                 self._handle(await self.inbox.get())
             for msg in self.inbox.drain():
                 self._handle(msg)
+            for flush in self.pending_flushes:
+                await self.to_api.send(CacheFlushed(flush.flush_id, pages=3, checkpoints=1))
+            self.pending_flushes = []
             deltas, self.pending_aborts = self.pending_aborts, []
             size = self.tokens_per_step[step % len(self.tokens_per_step)]
             deltas += [self._advance(seq, size) for seq in list(self.running.values())]
@@ -106,6 +112,8 @@ class FakeRouter:
         self.received.append(msg)
         if isinstance(msg, GenerateRequest):
             self._start(msg)
+        elif isinstance(msg, FlushCache):
+            self.pending_flushes.append(msg)
         elif msg.req_id in self.running:
             seq = self.running.pop(msg.req_id)
             abort = TokenDelta(msg.req_id, [], None, None, "abort", len(seq.request.prompt_ids), seq.cached)

@@ -44,7 +44,7 @@ def make_cfg(run_dir: str, **server: object) -> HkvConfig:
     )
     return HkvConfig(
         model=ModelConfig("tiny-dense", str(tiny_dense_folder()), "float32", "cpu", 1, 0, 1),
-        cache=CacheConfig(16, 4096, True, None, None, 0.0, None, None),
+        cache=CacheConfig(16, 4096, True, False, None, 0, 0.0, None, None),
         scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=512, max_queued_requests=64),
         spec=SpecConfig(0, None),
         server=dataclasses.replace(base, **server),
@@ -475,4 +475,4 @@ async def test_models_metrics_and_flush(api):
     ):
         assert name in text, name
     status, body = await api.post("/cache/flush", {})
-    assert status == 200 and body == {"flushed": 0}
+    assert status == 200 and body == {"flushed": True, "pages": 3, "checkpoints": 1}

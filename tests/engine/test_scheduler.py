@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hkv.engine.pages import PageAllocator
+from hkv.cache.coordinator import CacheCoordinator
+from hkv.cache.types import CacheSpec
 from hkv.engine.scheduler import Scheduler, SchedulerLimits
 from hkv.ipc.messages import GenerateRequest, Sampled, SamplingParams, StepResult
 from hkv.ipc.request_table import RequestTable, SlotPhase, TableLayout
@@ -12,11 +13,17 @@ from hkv.ipc.request_table import RequestTable, SlotPhase, TableLayout
 EOS = 99
 
 
-def make(num_pages=16, page_size=4, max_running=4, budget=8, max_context=256):
+def make(num_pages=16, page_size=4, max_running=4, budget=8, max_context=256, prefix_cache=False,
+         hybrid=False, interval=None, state_slots=0):
     layout = TableLayout(slots=max_running, max_pages=64)
     table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-    limits = SchedulerLimits(page_size, max_running, budget, max_context, frozenset({EOS}))
-    return Scheduler(limits, PageAllocator(num_pages), table)
+    limits = SchedulerLimits(page_size, max_running, budget, max_context, frozenset({EOS}), hybrid, interval)
+    spec = CacheSpec(page_size, num_pages, state_slots, 0, hybrid, interval, prefix_cache)
+    return Scheduler(limits, CacheCoordinator(spec), table)
+
+
+def free_pages(sched):
+    return sched.coord.pages.free_count
 
 
 def req(req_id, prompt_len, max_tokens=4, **kw):
@@ -65,8 +72,8 @@ def test_decode_feeds_last_token_and_finishes_on_length():
     assert outputs == [40, 41, 42]
     assert deltas[-1].finish_reason == "length"
     assert not sched.has_work()
-    assert sched.pages.free_count == sched.pages.num_pages
-    sched.pages.check_integrity()
+    assert free_pages(sched) == sched.coord.spec.num_pages
+    sched.coord.check_integrity()
 
 
 def test_eos_finishes_unless_ignored():
@@ -89,7 +96,7 @@ def test_abort_waiting_and_running_return_everything():
     assert plan is None
     reasons = sorted((d.req_id, d.finish_reason) for d in sched.take_finished())
     assert reasons == [(1, "abort"), (2, "abort")]
-    assert sched.pages.free_count == sched.pages.num_pages
+    assert free_pages(sched) == sched.coord.spec.num_pages
     assert sched.table.phase.tolist() == [SlotPhase.FREE]
 
 
@@ -108,11 +115,11 @@ def test_preemption_recomputes_prompt_and_outputs():
             preempted = True  # a resumed sequence recomputes prompt + outputs in one chunk
         for d in deltas:
             produced[d.req_id] += d.token_ids
-        sched.pages.check_integrity()
+        sched.coord.check_integrity()
         check_table_matches(sched)
     assert preempted
     assert all(len(v) == 6 for v in produced.values())
-    assert sched.pages.free_count == 4
+    assert free_pages(sched) == 4
 
 
 def test_request_that_cannot_fit_fails_instead_of_spinning():
@@ -130,7 +137,7 @@ def test_step_error_fails_its_requests_and_frees_pages():
     plan = sched.schedule()
     deltas = sched.on_result(StepResult(plan.step, [], 0.0, "boom"), plan)
     assert [(d.req_id, d.finish_reason, d.error) for d in deltas] == [(1, "error", "boom")]
-    assert sched.pages.free_count == sched.pages.num_pages
+    assert free_pages(sched) == sched.coord.spec.num_pages
 
 
 @pytest.mark.parametrize("prompt_len", [1, 4, 5, 16])
@@ -147,3 +154,105 @@ def test_freed_slots_are_reported_once(prompt_len):
     assert deltas[0].finish_reason == "length"
     assert sched.schedule() is None
     assert sched.take_finished() == []
+
+
+def run_to_end(sched, token_for=lambda slot: 7, limit=200):
+    plans, deltas = [], []
+    for _ in range(limit):
+        if not sched.has_work():
+            break
+        plan, ds = step(sched, token_for)
+        plans.append(plan)
+        deltas += ds
+        sched.coord.check_integrity()
+        check_table_matches(sched)
+    assert not sched.has_work()
+    return plans, deltas
+
+
+def test_dense_prefix_hit_starts_after_the_shared_pages():
+    sched = make(prefix_cache=True, budget=64)
+    sched.add(req(1, 10, max_tokens=2))
+    run_to_end(sched)
+    pages_of_first = sched.coord.tree.cached_pages
+    assert pages_of_first == 2  # 11 computed tokens: two full pages published
+    sched.add(GenerateRequest(2, list(range(1, 11)) + [60, 61, 62], SamplingParams(max_tokens=1)))
+    plan = sched.schedule()
+    (chunk,) = plan.chunks
+    assert chunk.start_pos == 8 and chunk.token_ids == [9, 10, 60, 61, 62]
+    deltas = sched.on_result(StepResult(plan.step, [Sampled(chunk.slot, 5, None, None)], 0.0), plan)
+    assert deltas[0].cached_tokens == 8 and deltas[0].cache_tiers == {"gpu": 8, "cpu": 0, "disk": 0, "peer": 0}
+
+
+def test_multi_turn_hits_prompt_and_output():
+    sched = make(prefix_cache=True, budget=64)
+    sched.add(req(1, 6, max_tokens=6))
+    _, deltas = run_to_end(sched, token_for=lambda s: 40)
+    history = list(range(1, 7)) + [40] * 6
+    sched.add(GenerateRequest(2, history + [70, 71], SamplingParams(max_tokens=1)))
+    plan = sched.schedule()
+    assert plan.chunks[0].start_pos == 8  # 11 computed tokens of the first turn: two pages reused
+
+
+def test_at_least_one_prompt_token_is_recomputed():
+    sched = make(prefix_cache=True, budget=64)
+    sched.add(req(1, 8, max_tokens=2))
+    run_to_end(sched)
+    sched.add(req(2, 8, max_tokens=1))
+    plan = sched.schedule()
+    assert plan.chunks[0].start_pos == 4 and plan.chunks[0].sample
+
+
+def test_no_prefix_cache_never_hits():
+    sched = make(prefix_cache=False, budget=64)
+    sched.add(req(1, 10, max_tokens=2))
+    run_to_end(sched)
+    sched.add(req(2, 13, max_tokens=1))
+    assert sched.schedule().chunks[0].start_pos == 0
+
+
+def test_hybrid_chunks_end_on_checkpoints_and_a_hit_restores_one():
+    sched = make(prefix_cache=True, budget=64, hybrid=True, interval=8, state_slots=8, num_pages=32)
+    sched.add(req(1, 22, max_tokens=2))
+    plans, _ = run_to_end(sched)
+    # prompt chunks end at interval multiples and at the prompt's last page boundary (20)
+    assert [(c.start_pos, len(c.token_ids)) for c in plans[0].chunks] == [(0, 8)]
+    assert [(c.start_pos, len(c.token_ids)) for c in plans[1].chunks] == [(8, 8)]
+    assert [(c.start_pos, len(c.token_ids)) for c in plans[2].chunks] == [(16, 4)]
+    assert [(c.start_pos, len(c.token_ids)) for c in plans[3].chunks] == [(20, 2)]
+    saves = [op for p in plans for op in p.ops]
+    assert [op.length for op in saves] == [8, 16, 20]
+    live = plans[0].new[0].state_slot
+    assert all(op.src_slot == live for op in saves)
+    sched.add(GenerateRequest(2, list(range(1, 23)) + [90, 91], SamplingParams(max_tokens=1)))
+    plan = sched.schedule()
+    (chunk,) = plan.chunks
+    assert chunk.start_pos == 20
+    restore = [op for op in plan.ops if type(op).__name__ == "RestoreCheckpoint"]
+    assert len(restore) == 1 and restore[0].length == 20 and restore[0].dst_slot == plan.new[0].state_slot
+
+
+def test_flush_after_everything_finished_frees_every_pool():
+    sched = make(prefix_cache=True, budget=64, hybrid=True, interval=8, state_slots=8, num_pages=32)
+    for i in range(3):
+        sched.add(req(i + 1, 9 + 5 * i, max_tokens=3))
+    run_to_end(sched)
+    assert sched.coord.tree.cached_pages > 0
+    pages, checkpoints = sched.flush()
+    assert pages > 0 and checkpoints > 0
+    sched.coord.check_integrity()
+    assert free_pages(sched) == 32 and sched.coord.state_slots.free_count == 8
+
+
+def test_preemption_with_prefix_cache_resumes_from_published_pages():
+    sched = make(num_pages=6, page_size=4, budget=64, max_running=2, prefix_cache=True)
+    sched.add(req(1, 8, max_tokens=8))
+    sched.add(req(2, 7, max_tokens=8))
+    produced = {1: [], 2: []}
+    plans, deltas = run_to_end(sched, token_for=lambda s: 50 + s)
+    for d in deltas:
+        produced[d.req_id] += d.token_ids
+    assert sched.preemptions > 0
+    assert all(len(v) == 8 for v in produced.values())
+    resumed = [c for p in plans for c in p.chunks if c.start_pos > 0 and p.new and c.slot == p.new[0].slot]
+    assert resumed, "a preempted sequence should resume from its cached prefix"
