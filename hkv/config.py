@@ -233,7 +233,9 @@ def _is_hybrid(text_cfg: dict) -> bool:
     return "linear_attention" in (text_cfg.get("layer_types") or ())
 
 
-def _resolve_checkpoints(args: argparse.Namespace, hybrid: bool, max_running: int) -> tuple[int | None, int]:
+def _resolve_checkpoints(
+    args: argparse.Namespace, hybrid: bool, max_running: int, on_cpu: bool
+) -> tuple[int | None, int]:
     """(checkpoint interval, state slots) for the model; exits 2 on a bad combination."""
     if not hybrid:
         for flag, value in (("--checkpoint-interval", args.checkpoint_interval), ("--state-slots", args.state_slots)):
@@ -243,7 +245,8 @@ def _resolve_checkpoints(args: argparse.Namespace, hybrid: bool, max_running: in
     interval = args.checkpoint_interval or 16 * args.page_size
     if interval % args.page_size:
         raise ConfigError(f"--checkpoint-interval ({interval}) must be a multiple of --page-size ({args.page_size})")
-    slots = args.state_slots or 3 * max_running
+    # A checkpoint of a real model is tens of MiB (docs/sizing.md): be frugal on GPUs.
+    slots = args.state_slots or (3 * max_running if on_cpu else max_running + 64)
     if slots < max_running or (slots == max_running and not args.no_prefix_cache):
         raise ConfigError(
             f"--state-slots ({slots}) must exceed --max-running-requests ({max_running}): "
@@ -313,7 +316,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     max_total = args.max_total_tokens or (32768 if on_cpu else 262144)
     max_running = args.max_running_requests or (32 if on_cpu else 256)
     hybrid = _is_hybrid(_read_hf_config(path))
-    interval, state_slots = _resolve_checkpoints(args, hybrid, max_running)
+    interval, state_slots = _resolve_checkpoints(args, hybrid, max_running, on_cpu)
     run_dir = tempfile.mkdtemp(prefix=f"hkv-{name}-")  # mode 0700
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads()),

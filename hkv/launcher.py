@@ -70,6 +70,9 @@ class Instance:
         registry.add(request_table.REGION, writer="router", version=request_table.VERSION, layout=layout.to_dict())
         self.regions.append(ShmRegion.create(cfg.server.name, stats.REGION, stats.NBYTES, writer="router"))
         registry.add(stats.REGION, writer="router", version=stats.VERSION, layout={"fields": list(stats.FIELDS)})
+        radix = ShmRegion.create(cfg.server.name, stats.RADIX_REGION, stats.RADIX_NBYTES, writer="router")
+        self.regions.append(radix)
+        registry.add(stats.RADIX_REGION, writer="router", version=1, layout={"format": "json_block"})
 
     async def spawn(self, name: str, module: str, config_file: str, extra: list[str]) -> Child:
         status_r, status_w = os.pipe()

@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from hkv.ipc import request_table, stats
+from hkv.ipc import json_block, request_table, stats
 from hkv.ipc.shm import (
     Registry,
     RegionMissing,
@@ -49,6 +49,8 @@ def inspect_instance(name: str) -> dict[str, Any]:
     report: dict[str, Any] = {"instance": name, "regions": [asdict(e) for e in entries.values()]}
     if stats.REGION in entries:
         report.update(_read_stats(name))
+    if stats.RADIX_REGION in entries and "radix" in report:
+        report["radix"].update(_read_radix(name))
     if request_table.REGION in entries:
         report["requests"] = _read_requests(name, entries[request_table.REGION].layout)
     return report
@@ -79,6 +81,15 @@ def _read_stats(name: str) -> dict[str, Any]:
     tiers = {"gpu": {"cached_tokens_served": int(values["requests_cached_tokens"])},
              "cpu": {"enabled": False}, "disk": {"enabled": False}}
     return {"pools": pools, "radix": radix, "tiers": tiers, "steps": steps}
+
+
+def _read_radix(name: str) -> dict[str, Any]:
+    """The router's listing of checkpoint-carrying nodes (refreshed at most every 0.5 s while busy)."""
+    with ShmRegion.attach(name, stats.RADIX_REGION, readonly=True) as region:
+        doc = json_block.read(region.payload)
+    if not isinstance(doc, dict):
+        return {"checkpoint_nodes": []}
+    return {"checkpoint_nodes": doc.get("checkpoint_nodes", []), "listed_all": doc.get("listed_all", True)}
 
 
 def _read_requests(name: str, layout: dict) -> list[dict]:
@@ -114,7 +125,13 @@ def _print_instance(report: dict[str, Any], as_json: bool) -> None:
         print(f"  {key:<13} total={pool['total']:<8} free={pool['free']:<8} cached={pool['cached']:<8} "
               f"in_use={pool['in_use']}")
     if "radix" in report:
-        print("  radix         " + " ".join(f"{k}={v}" for k, v in report["radix"].items()))
+        radix = dict(report["radix"])
+        nodes = radix.pop("checkpoint_nodes", [])
+        radix.pop("listed_all", None)
+        print("  radix         " + " ".join(f"{k}={v}" for k, v in radix.items()))
+        for node in nodes:
+            print(f"    checkpoint at {node['tokens']} tokens in state slot {node['slot']}"
+                  f"{' (pinned)' if node['pinned'] else ''}")
     for row in report.get("requests", []):
         print(f"  slot {row['slot']:<4} req {row['req_id']:<8} {row['phase']:<8} prompt={row['prompt_len']} "
               f"output={row['output_len']} kv={row['kv_len']} cached={row['cached_len']} pages={row['pages']}")

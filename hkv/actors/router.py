@@ -22,7 +22,7 @@ from hkv.config import HkvConfig
 from hkv.cache.coordinator import CacheCoordinator
 from hkv.cache.types import CacheSpec
 from hkv.engine.scheduler import Scheduler, SchedulerLimits
-from hkv.ipc import request_table, stats
+from hkv.ipc import json_block, request_table, stats
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import (
     AbortRequest,
@@ -44,6 +44,8 @@ from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.ipc.shm import Registry, ShmRegion
 
 log = logging.getLogger("hkv.router")
+RADIX_EVERY_S = 0.5
+RADIX_LIST_MAX = 2048  # checkpoint nodes listed; ~60 bytes each fits RADIX_BYTES
 
 
 def model_limits(path: str) -> tuple[int, frozenset[int]]:
@@ -64,6 +66,7 @@ class Router:
         zctx: zmq.asyncio.Context,
         table: request_table.RequestTable,
         router_stats: stats.RouterStats,
+        radix_block: memoryview,
     ):
         max_context, eos_ids = model_limits(cfg.model.path)
         c = cfg.cache
@@ -82,6 +85,9 @@ class Router:
         self.stats = router_stats
         self.debug = cfg.server.log_level == "debug"  # check the books after every step
         self._pending_flushes: list[int] = []
+        self.radix_block = radix_block  # the checkpoint listing hkv-inspect reads
+        self._radix_written: tuple | None = None  # tree counters at the last write
+        self._radix_written_at = 0.0
         self.inbox: Receiver[Inbound] = Receiver(zctx, cfg.ipc_address("router_in"), Inbound, "router_in")
         self.results: Receiver[RankOutbound] = Receiver(
             zctx, cfg.ipc_address("router_results"), RankOutbound, "router_results"
@@ -104,7 +110,10 @@ class Router:
         await self.to_api.send(EngineState(ready=True, alive=True, waiting=0, running=0))
         stuck = False  # nothing could run: only a new request or an abort can change that
         while True:
-            await self.drain_inbox(block=stuck or not self.scheduler.has_work())
+            idle = stuck or not self.scheduler.has_work()
+            if idle:
+                self.record_radix(force=True)
+            await self.drain_inbox(block=idle)
             await self.answer_flushes()
             started = time.perf_counter()
             plan = self.scheduler.schedule()
@@ -160,8 +169,27 @@ class Router:
         s.set("waiting", len(sched.waiting))
         s.set("running", len(sched.running))
         self.record_pools()
+        self.record_radix(force=False)
         if self.debug:
             self.coord.check_integrity()
+
+    def record_radix(self, force: bool) -> None:
+        """List the checkpoint-carrying nodes for hkv-inspect: when the tree changed, at most
+        every RADIX_EVERY_S while busy (walking the tree costs O(nodes)), and on going idle."""
+        tree = self.coord.tree
+        counters = (tree.num_nodes, tree.num_checkpoints, tree.cached_pages, tree.evictable_pages)
+        now = time.monotonic()
+        if counters == self._radix_written or (not force and now - self._radix_written_at < RADIX_EVERY_S):
+            return
+        checkpoints = sorted(
+            ({"tokens": n.checkpoint.length, "slot": n.checkpoint.slot, "pinned": n.checkpoint.holds > 0,
+              "locked": n.lock_ref > 0} for n in tree.nodes() if n.checkpoint is not None),
+            key=lambda c: c["tokens"],
+        )
+        doc = {"nodes": tree.num_nodes, "checkpoint_nodes": checkpoints[:RADIX_LIST_MAX],
+               "listed_all": len(checkpoints) <= RADIX_LIST_MAX}
+        json_block.write(self.radix_block, doc)
+        self._radix_written, self._radix_written_at = counters, now
 
     def record_pools(self) -> None:
         """Pool and radix gauges for hkv-inspect and /metrics (O(1) counters only)."""
@@ -200,8 +228,9 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     table = request_table.RequestTable(layout, region.payload)
     stats_region = ShmRegion.attach(cfg.server.name, stats.REGION)
     router_stats = stats.RouterStats(stats_region.payload)
+    radix_region = ShmRegion.attach(cfg.server.name, stats.RADIX_REGION)
     zctx = zmq.asyncio.Context()
-    router = Router(cfg, zctx, table, router_stats)
+    router = Router(cfg, zctx, table, router_stats, radix_region.payload)
     router.inbox.start()
     router.results.start()
     try:
@@ -213,8 +242,10 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         zctx.term()
         table.release_views()
         router_stats.release_views()
+        router.radix_block = None
         region.close()
         stats_region.close()
+        radix_region.close()
 
 
 def main() -> None:

@@ -40,6 +40,10 @@ FIELDS = (
 )
 NBYTES = len(FIELDS) * 8
 
+# The router's listing of checkpoint-carrying radix nodes, a json_block (hkv/ipc/json_block.py).
+RADIX_REGION = "radix"
+RADIX_NBYTES = 256 * 1024
+
 
 class RouterStats:
     """Named float64 fields over the region's payload."""

@@ -121,6 +121,9 @@ def test_checkpointed_prefix_hits(qwen3_5, qwen3_5_server):
         assert_greedy_parity(reference, ids, result["choices"][0]["token_ids"])
     report = inspect_json(qwen3_5_server.name)
     assert report["pools"]["state_slots"]["cached"] == report["radix"]["checkpoints"] > 0
+    depths = {node["tokens"] for node in report["radix"]["checkpoint_nodes"]}
+    assert {64, 128, 256, 576, 592} <= depths  # interval boundaries and the prompt's last page boundary
+    assert len(report["radix"]["checkpoint_nodes"]) == report["radix"]["checkpoints"]
 
 
 def test_hits_equal_a_run_without_prefix_cache(qwen3_5, qwen3_5_server, tmp_path):
