@@ -58,14 +58,18 @@ def _start(model: str, port: int, name: str, extra: list[str]) -> subprocess.Pop
     return proc
 
 
-def _stream(url: str, tokens: int, on_first) -> list[float]:
-    """Stream one greedy request; returns the arrival time of every chunk."""
+def _stream(url: str, tokens: int, on_first, stream: bool = True) -> list[float]:
+    """Run one greedy request; returns the arrival time of every chunk (one when not streaming)."""
     body = {"prompt": "Benchmark the decode loop.", "max_tokens": tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": stream}
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     arrivals = []
     with urllib.request.urlopen(req, timeout=600) as resp:
+        if not stream:
+            on_first()
+            resp.read()
+            return [time.perf_counter()]
         for raw in resp:
             if raw.startswith(b"data: {"):
                 arrivals.append(time.perf_counter())
@@ -74,7 +78,7 @@ def _stream(url: str, tokens: int, on_first) -> list[float]:
     return arrivals
 
 
-def measure(model: str, tokens: int, extra: list[str]) -> dict:
+def measure(model: str, tokens: int, extra: list[str], stream: bool = True) -> dict:
     port, name = _free_port(), f"bench{os.getpid()}"
     proc = _start(model, port, name, extra)
     url = f"http://127.0.0.1:{port}"
@@ -83,7 +87,9 @@ def measure(model: str, tokens: int, extra: list[str]) -> dict:
         router_stats = stats.RouterStats(region.payload)
         _stream(url, 16, lambda: None)  # warm-up
         marks = {}
-        arrivals = _stream(url, tokens, lambda: marks.setdefault("first", router_stats.read()))
+        if not stream:
+            marks["first"] = router_stats.read()
+        arrivals = _stream(url, tokens, lambda: marks.setdefault("first", router_stats.read()), stream)
         after = router_stats.read()
         before = marks["first"]
         router_stats.release_views()
@@ -94,15 +100,16 @@ def measure(model: str, tokens: int, extra: list[str]) -> dict:
     steps = after["steps"] - before["steps"]
     wall = (after["step_wall_s"] - before["step_wall_s"]) / steps
     forward = (after["forward_s"] - before["forward_s"]) / steps
-    client = (arrivals[-1] - arrivals[0]) / max(len(arrivals) - 1, 1)
+    client = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else None
     return {
         "model": model,
+        "streamed": stream,
         "decode_steps": int(steps),
         "step_wall_ms": wall * 1e3,
         "forward_ms": forward * 1e3,
         "overhead_ms": (wall - forward) * 1e3,
         "forward_share": forward / wall,
-        "client_ms_per_token": client * 1e3,
+        "client_ms_per_token": None if client is None else client * 1e3,
     }
 
 
@@ -112,14 +119,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--no-stream", action="store_true", help="one non-streamed response (less api work per token)")
     args = p.parse_args(argv)
-    result = measure(args.model, args.tokens, ["--device", args.device])
+    result = measure(args.model, args.tokens, ["--device", args.device], stream=not args.no_stream)
     print(json.dumps(result, indent=2))
     print(
         f"{result['model']}: {result['decode_steps']} decode steps, {result['step_wall_ms']:.3f} ms/step, "
         f"forward {result['forward_ms']:.3f} ms ({result['forward_share']:.0%}), "
-        f"overhead outside the forward {result['overhead_ms']:.3f} ms/step, "
-        f"client sees {result['client_ms_per_token']:.3f} ms/token"
+        f"overhead outside the forward {result['overhead_ms']:.3f} ms/step"
+        + ("" if result["client_ms_per_token"] is None else
+           f", client sees {result['client_ms_per_token']:.3f} ms/token")
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import zmq.asyncio
-
 from hkv.config import HkvConfig
 from hkv.engine.model_runner import ModelRunner
 from hkv.ipc import request_table
-from hkv.ipc.channel import Receiver, Sender
+from hkv.ipc.dgram import DgramReceiver, DgramSender
 from hkv.ipc.messages import RankInbound, RankOutbound, RankReady, Shutdown
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.ipc.shm import Registry, ShmRegion
 
 log = logging.getLogger("hkv.rank")
+PLAN_SPIN_S = 0.002
 
 
 def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRunner:
@@ -56,9 +55,10 @@ def _attach_table(cfg: HkvConfig) -> tuple[ShmRegion, request_table.RequestTable
 
 async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     region, table = _attach_table(cfg)
-    zctx = zmq.asyncio.Context()
-    inbox: Receiver[RankInbound] = Receiver(zctx, cfg.ipc_address(f"rank{ctx.rank}_in"), RankInbound, "rank_in")
-    outbox: Sender[RankOutbound] = Sender(zctx, cfg.ipc_address("router_results"), "router_results")
+    # The step link is a Unix datagram pair (hkv/ipc/dgram.py); the rank polls briefly for the
+    # next plan after answering, since the router sends it within a fraction of a millisecond.
+    inbox = DgramReceiver(cfg.ipc_address(f"rank{ctx.rank}_in"), RankInbound, "rank_in", spin_s=PLAN_SPIN_S)
+    outbox: DgramSender[RankOutbound] = DgramSender(cfg.ipc_address("router_results"), "router_results")
     try:
         runner = await asyncio.to_thread(_build_runner, cfg, table)
         inbox.start()
@@ -68,7 +68,6 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     finally:
         await inbox.aclose()
         await outbox.aclose()
-        zctx.term()
         table.release_views()
         region.close()
 

@@ -2,10 +2,11 @@
 
     api --Inbound--> [inbox] --+
                                v
-    1. drain inbox -> 2. schedule -> 3. run the step on the ranks -> 4. publish tokens --> api
+    1. drain inbox -> 2. schedule, send the plan -> 3. publish the previous step's tokens --> api
+       -> wait for the result -> apply it
 
 One StepPlan goes out and one StepResult comes back per step; one TokenBatch
-per step goes to the api.
+per step goes to the api, sent while the ranks run the next step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq.asyncio
@@ -24,6 +26,7 @@ from hkv.cache.types import CacheSpec
 from hkv.engine.scheduler import Scheduler, SchedulerLimits
 from hkv.ipc import json_block, request_table, stats
 from hkv.ipc.channel import Receiver, Sender
+from hkv.ipc.dgram import DgramReceiver, DgramSender
 from hkv.ipc.messages import (
     AbortRequest,
     CacheFlushed,
@@ -45,6 +48,7 @@ from hkv.ipc.shm import Registry, ShmRegion
 
 log = logging.getLogger("hkv.router")
 RADIX_EVERY_S = 0.5
+STEP_EMA_WEIGHT = 0.2
 RADIX_LIST_MAX = 2048  # checkpoint nodes listed; ~60 bytes each fits RADIX_BYTES
 
 
@@ -55,6 +59,16 @@ def model_limits(path: str) -> tuple[int, frozenset[int]]:
     hf = json.loads(Path(path, "config.json").read_text())
     text_cfg = hf.get("text_config", hf)
     return int(text_cfg["max_position_embeddings"]), frozenset(Tokenizer.from_folder(path).eos_token_ids)
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A step whose result is in but whose tokens are not yet streamed."""
+
+    plan: StepPlan
+    result: StepResult
+    deltas: list
+    wall_s: float  # from the end of the previous step (or leaving idle) to this result applied
 
 
 class Router:
@@ -85,16 +99,17 @@ class Router:
         self.stats = router_stats
         self.debug = cfg.server.log_level == "debug"  # check the books after every step
         self._pending_flushes: list[int] = []
+        self._step_ema = 0.0  # smoothed seconds from sending a plan to its result
         self.radix_block = radix_block  # the checkpoint listing hkv-inspect reads
         self._radix_written: tuple | None = None  # tree counters at the last write
         self._radix_written_at = 0.0
         self.inbox: Receiver[Inbound] = Receiver(zctx, cfg.ipc_address("router_in"), Inbound, "router_in")
-        self.results: Receiver[RankOutbound] = Receiver(
-            zctx, cfg.ipc_address("router_results"), RankOutbound, "router_results"
+        self.results: DgramReceiver[RankOutbound] = DgramReceiver(
+            cfg.ipc_address("router_results"), RankOutbound, "router_results"
         )
         self.to_api: Sender[Outbound] = Sender(zctx, cfg.ipc_address("api_in"), "api_in")
-        self.to_ranks: list[Sender[RankInbound]] = [
-            Sender(zctx, cfg.ipc_address(f"rank{r}_in"), f"rank{r}_in") for r in range(cfg.model.tp)
+        self.to_ranks: list[DgramSender[RankInbound]] = [
+            DgramSender(cfg.ipc_address(f"rank{r}_in"), f"rank{r}_in") for r in range(cfg.model.tp)
         ]
 
     async def wait_for_ranks(self, count: int) -> None:
@@ -106,24 +121,42 @@ class Router:
                 log.info("rank %d ready with %d KV pages", msg.rank, msg.kv_pages)
 
     async def run(self) -> None:
+        """The step loop. A step's tokens and stats are published while the next step runs,
+        so the ranks wait only for scheduling, never for the api link."""
         self.record_pools()
         await self.to_api.send(EngineState(ready=True, alive=True, waiting=0, running=0))
         stuck = False  # nothing could run: only a new request or an abort can change that
+        done: StepDone | None = None  # the last step, not yet published
+        step_end = time.perf_counter()
         while True:
+            # 1. take in requests and aborts (wait when there is nothing to run)
             idle = stuck or not self.scheduler.has_work()
             if idle:
+                done = await self.publish_step(done)
                 self.record_radix(force=True)
             await self.drain_inbox(block=idle)
             await self.answer_flushes()
-            started = time.perf_counter()
+            started = time.perf_counter() if idle else step_end
+            # 2. schedule and start the step
             plan = self.scheduler.schedule()
             stuck = plan is None
-            if plan is not None:
-                result = await self.run_step(plan)
-                await self.publish(self.scheduler.on_result(result, plan))
-                self.record_step(plan, result, time.perf_counter() - started)
-            else:
+            if plan is None:
                 await self.publish(self.scheduler.take_finished())
+                continue
+            await self.send_plan(plan)
+            # 3. publish the previous step while the ranks run this one
+            done = await self.publish_step(done)
+            result = await self.wait_result(plan)
+            deltas = self.scheduler.on_result(result, plan)
+            step_end = time.perf_counter()
+            done = StepDone(plan, result, deltas, step_end - started)
+
+    async def publish_step(self, done: "StepDone | None") -> None:
+        """Stream a finished step's tokens and record its stats; returns None (nothing pending)."""
+        if done is not None:
+            await self.publish(done.deltas)
+            self.record_step(done.plan, done.result, done.wall_s)
+        return None
 
     async def drain_inbox(self, block: bool) -> None:
         """Apply every queued request and abort; with no work, wait for the first."""
@@ -149,25 +182,29 @@ class Router:
             self.record_pools()
             await self.to_api.send(CacheFlushed(flush_id, pages, checkpoints))
 
-    async def run_step(self, plan: StepPlan) -> StepResult:
+    async def send_plan(self, plan: StepPlan) -> None:
         for sender in self.to_ranks:
             await sender.send(plan)
+
+    async def wait_result(self, plan: StepPlan) -> StepResult:
+        # Poll near the expected end of the step instead of paying a wake-up after it.
+        sent = time.perf_counter()
         while True:
-            msg = await self.results.get()
+            msg = await self.results.get(due_in_s=self._step_ema - (time.perf_counter() - sent))
             if isinstance(msg, StepResult) and msg.step == plan.step:
+                self._step_ema += STEP_EMA_WEIGHT * (time.perf_counter() - sent - self._step_ema)
                 return msg
             log.warning("ignoring an unexpected rank message: %r", msg)
 
     def record_step(self, plan: StepPlan, result: StepResult, wall_s: float) -> None:
-        s, sched = self.stats, self.scheduler
-        s.add("steps", 1)
-        s.add("step_wall_s", wall_s)
-        s.add("forward_s", result.forward_s)
-        s.add("decode_tokens", len(result.sampled))
-        s.add("prefill_tokens", sum(len(c.token_ids) for c in plan.chunks) - len(result.sampled))
-        s.set("preemptions", sched.preemptions)
-        s.set("waiting", len(sched.waiting))
-        s.set("running", len(sched.running))
+        sampled = len(result.sampled)
+        self.stats.add_many({
+            "steps": 1,
+            "step_wall_s": wall_s,
+            "forward_s": result.forward_s,
+            "decode_tokens": sampled,
+            "prefill_tokens": sum(len(c.token_ids) for c in plan.chunks) - sampled,
+        })
         self.record_pools()
         self.record_radix(force=False)
         if self.debug:
@@ -192,20 +229,24 @@ class Router:
         self._radix_written, self._radix_written_at = counters, now
 
     def record_pools(self) -> None:
-        """Pool and radix gauges for hkv-inspect and /metrics (O(1) counters only)."""
-        s, coord, tree = self.stats, self.coord, self.coord.tree
+        """Queue, pool and radix gauges for hkv-inspect and /metrics (O(1) counters only)."""
+        sched, coord, tree = self.scheduler, self.coord, self.coord.tree
+        gauges = {
+            "preemptions": sched.preemptions,
+            "waiting": len(sched.waiting),
+            "running": len(sched.running),
+            "page_size": coord.spec.page_size,
+            "radix_nodes": tree.num_nodes,
+            "radix_checkpoints": tree.num_checkpoints,
+            "radix_evictable_pages": tree.evictable_pages,
+        }
         for key, pool, cached in (
             ("pages", coord.pages, tree.cached_pages),
             ("state_slots", coord.state_slots, tree.num_checkpoints),
             ("window_slots", coord.window_slots, 0),
         ):
-            s.set(f"{key}_total", pool.size)
-            s.set(f"{key}_free", pool.free_count)
-            s.set(f"{key}_cached", cached)
-        s.set("page_size", self.coord.spec.page_size)
-        s.set("radix_nodes", tree.num_nodes)
-        s.set("radix_checkpoints", tree.num_checkpoints)
-        s.set("radix_evictable_pages", tree.evictable_pages)
+            gauges.update({f"{key}_total": pool.size, f"{key}_free": pool.free_count, f"{key}_cached": cached})
+        self.stats.set_many(gauges)
 
     async def publish(self, deltas) -> None:
         for delta in deltas:
@@ -216,7 +257,7 @@ class Router:
 
     async def aclose(self) -> None:
         for sender in self.to_ranks:
-            await sender.send(Shutdown("router stopping"))
+            sender.send_nowait(Shutdown("router stopping"))  # a rank that is already gone needs none
         for channel in (self.inbox, self.results, self.to_api, *self.to_ranks):
             await channel.aclose()
 

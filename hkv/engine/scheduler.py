@@ -55,6 +55,7 @@ class Sequence:
     kv_len: int = 0  # tokens of all_ids whose K/V are computed
     admit_order: int = 0  # larger = admitted later = preempted first
     cached_tokens: int | None = None  # prompt tokens its first admission took from the cache
+    table_pages: int = 0  # pages already written to its request-table row
 
     @property
     def total_len(self) -> int:
@@ -246,13 +247,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _write_row(self, seq: Sequence, kv_end: int) -> None:
+        """Fill the slot's row; after admission only what a step changes (pages only grow)."""
         t, slot = self.table, seq.slot
-        t.write_pages(slot, seq.pages)
-        t.req_id[slot] = seq.req_id
-        t.prompt_len[slot] = len(seq.prompt_ids)
+        if seq.table_pages == 0:
+            t.write_pages(slot, seq.pages)
+            t.req_id[slot] = seq.req_id
+            t.prompt_len[slot] = len(seq.prompt_ids)
+            t.cached_len[slot] = seq.cached_tokens or 0
+        elif len(seq.pages) > seq.table_pages:
+            t.append_pages(slot, seq.pages[seq.table_pages :])
+        seq.table_pages = len(seq.pages)
         t.output_len[slot] = len(seq.output_ids)
         t.kv_len[slot] = kv_end
-        t.cached_len[slot] = seq.cached_tokens or 0
         t.phase[slot] = SlotPhase.DECODE if seq.output_ids else SlotPhase.PREFILL
 
     # ---- results ----------------------------------------------------------------
@@ -274,28 +280,33 @@ class Scheduler:
             if seq.req_id not in self.running or seq.slot != chunk.slot:
                 continue  # aborted while the step ran: drop its token
             seq.kv_len = chunk.start_pos + len(chunk.token_ids)
+            prefill = len(chunk.token_ids) > 1
             if token is None:
-                self._publish(seq)
+                self._publish(seq, prefill)
             else:
-                deltas.append(self._append_token(seq, token))
+                deltas.append(self._append_token(seq, token, prefill))
         return deltas
 
-    def _publish(self, seq: Sequence) -> None:
-        """Cache the computed prefix; on a hybrid model save the state at a checkpoint boundary."""
+    def _publish(self, seq: Sequence, prefill: bool) -> None:
+        """Cache the computed prefix; on a hybrid model save the state at a checkpoint boundary.
+
+        Dense: after a prefill chunk and when decoding fills a page (publishing a
+        prefix that did not grow by a page would change nothing).
+        """
         if not self.coord.spec.prefix_cache:
             return
         ps, end = self.limits.page_size, seq.kv_len
         at_page = end % ps == 0
         if not self.limits.hybrid:
-            if at_page or end == seq.total_len:
+            if at_page or prefill:
                 self.coord.publish(seq.req_id, seq.all_ids(), end)
             return
         if at_page:
             published = self.coord.publish(seq.req_id, seq.all_ids(), end, checkpoint=True)
             self._ops.extend(published.ops)
 
-    def _append_token(self, seq: Sequence, sampled) -> TokenDelta:
-        self._publish(seq)
+    def _append_token(self, seq: Sequence, sampled, prefill: bool) -> TokenDelta:
+        self._publish(seq, prefill)
         seq.output_ids.append(sampled.token_id)
         reason = self._finish_reason(seq, sampled.token_id)
         lp = None if sampled.logprob is None else [sampled.logprob]
@@ -324,6 +335,7 @@ class Scheduler:
 
     def _free_slot(self, seq: Sequence) -> None:
         seq.pages = []
+        seq.table_pages = 0
         seq.state_slot = None
         if seq.slot is not None:
             self.table.clear(seq.slot)

@@ -95,6 +95,15 @@ class RequestTable:
         self.page_ids[slot, :n] = pages
         self.num_pages[slot] = n
 
+    def append_pages(self, slot: int, pages: list[int]) -> None:
+        """Router only: pages added at the end of the slot's sequence."""
+        start = int(self.num_pages[slot])
+        end = start + len(pages)
+        if end > self.layout.max_pages:
+            raise ValueError(f"slot {slot}: {end} pages exceed the table's {self.layout.max_pages}")
+        self.page_ids[slot, start:end] = pages
+        self.num_pages[slot] = end
+
     def clear(self, slot: int) -> None:
         """Router only: mark the slot free."""
         self.num_pages[slot] = 0

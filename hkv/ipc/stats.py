@@ -58,6 +58,14 @@ class RouterStats:
     def set(self, name: str, value: float) -> None:
         self._values[self._index[name]] = value
 
+    def add_many(self, amounts: dict[str, float]) -> None:
+        """Add to several counters in one numpy operation."""
+        self._values[[self._index[name] for name in amounts]] += list(amounts.values())
+
+    def set_many(self, values: dict[str, float]) -> None:
+        """Set several fields in one numpy operation (the router does this every step)."""
+        self._values[[self._index[name] for name in values]] = list(values.values())
+
     def read(self) -> dict[str, float]:
         values = self._values.copy()
         return {name: float(values[i]) for name, i in self._index.items()}
