@@ -39,6 +39,7 @@ from torch import nn
 
 from hkv.models import gdn
 from hkv.models.batch import ForwardBatch
+from hkv.models.qwen3 import Qwen3MLP as MLP  # the same SwiGLU MLP; qwen3_next imports it from here
 from hkv.models.qwen3 import Rotary, apply_rope, default_rope_theta, load_params, paged_attention
 from hkv.storage.kv_pool import KVLayout, KVPool
 from hkv.storage.state_pool import StateLayout, StatePool
@@ -278,17 +279,6 @@ class GatedDeltaNet(nn.Module):
         state.conv[layer, slot].copy_(conv_state)
         state.recurrent[layer, slot].copy_(recurrent)
         return out
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
