@@ -1,0 +1,1 @@
+"""Cache copies: pages between pools by index lists, state-slot checkpoints, draft-window ring writes."""

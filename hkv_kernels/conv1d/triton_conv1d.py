@@ -1,0 +1,127 @@
+"""Triton causal depthwise conv1d over a ragged batch with the conv state in state-pool slots.
+
+Two launches on one stream: the first computes every output (reading the old
+states), the second writes the new states, so no program overwrites a state
+another program still reads. Prefill, decode (one token) and speculative
+verification (keep the state after every token) share both kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hkv_kernels.common import next_pow2, ragged_metadata
+
+
+@triton.jit
+def _conv_out_kernel(
+    x_ptr, state_ptr, w_ptr, bias_ptr, o_ptr, q_start_ptr, q_len_ptr, slot_ptr, block_seq_ptr, block_tok_ptr,
+    num_channels, stride_xt, stride_ot, stride_ss, stride_sc, stride_wc,
+    KSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    seq = tl.load(block_seq_ptr + blk)
+    t0 = tl.load(block_tok_ptr + blk)
+    n = tl.load(q_len_ptr + seq)
+    q_start = tl.load(q_start_ptr + seq)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    i = t0 + tl.arange(0, BLOCK_T)  # [BT] token index within the sequence
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
+    t_mask = i < n
+    c_mask = c < num_channels
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(KSIZE):
+        p = i - (KSIZE - 1) + j  # input index; p < 0 reads the carried state
+        mask = t_mask[:, None] & c_mask[None, :]
+        from_x = (p >= 0)[:, None]
+        xv = tl.load(x_ptr + (q_start + p).to(tl.int64)[:, None] * stride_xt + c[None, :], mask=mask & from_x, other=0.0)
+        sv = tl.load(
+            state_ptr + slot * stride_ss + c[None, :] * stride_sc + (KSIZE - 1 + p)[:, None], mask=mask & ~from_x, other=0.0
+        )
+        w = tl.load(w_ptr + c * stride_wc + j, mask=c_mask, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    rows = (q_start + i).to(tl.int64)[:, None] * stride_ot + c[None, :]
+    tl.store(o_ptr + rows, acc.to(o_ptr.dtype.element_ty), mask=t_mask[:, None] & c_mask[None, :])
+
+
+@triton.jit
+def _conv_state_kernel(
+    x_ptr, state_ptr, q_start_ptr, q_len_ptr, slot_ptr, keep_ptr, num_channels, stride_xt, stride_ss, stride_sc,
+    stride_keep, KSIZE: tl.constexpr, KEEP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    out_idx = tl.program_id(2)
+    n = tl.load(q_len_ptr + seq)
+    q_start = tl.load(q_start_ptr + seq)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    if KEEP:
+        # state after token out_idx, into its own slot; the live slot is only read
+        after = out_idx + 1
+        dst = tl.load(keep_ptr + seq * stride_keep + out_idx, mask=out_idx < n, other=-1).to(tl.int64)
+        active = (out_idx < n) & (dst >= 0)
+    else:
+        after = n
+        dst = slot
+        active = n > 0
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = tl.arange(0, BLOCK_K)
+    p = after - (KSIZE - 1) + m  # input index of state column m; p < 0 is an older state column
+    mask = active & (c < num_channels)[:, None] & (m < KSIZE - 1)[None, :]
+    xv = tl.load(x_ptr + (q_start + p).to(tl.int64)[None, :] * stride_xt + c[:, None], mask=mask & (p >= 0)[None, :], other=0.0)
+    sv = tl.load(state_ptr + slot * stride_ss + c[:, None] * stride_sc + (after + m)[None, :], mask=mask & (p < 0)[None, :], other=0.0)
+    val = xv.to(tl.float32) + sv.to(tl.float32)
+    tl.store(state_ptr + dst * stride_ss + c[:, None] * stride_sc + m[None, :], val.to(state_ptr.dtype.element_ty), mask=mask)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    q_lens: list[int],
+    slots: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    keep_slots: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv of each sequence's new tokens from its slot's state (Triton).
+
+    x: [T, C] new tokens of all B sequences in order (channels contiguous);
+    conv_state: [S, C, K-1] one layer of the state pool (oldest input first), updated in place;
+    weight: [C, K]; bias: [C] or None; q_lens: [B] python ints; slots: [B] int on x's device;
+    keep_slots: None (final state overwrites slots[b]) or [B, max_n] int: state after
+        token t goes to keep_slots[b, t] (entries < 0 skipped) and slots[b] is left as it was;
+    out: optional [T, C] to write into.
+    Returns out: [T, C] in x's dtype, silu applied when activation == "silu".
+    """
+    if activation not in ("silu", None):
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    num_tokens, num_channels = x.shape
+    ksize = weight.shape[-1]
+    assert x.stride(1) == 1 and conv_state.stride(2) == 1 and weight.stride(1) == 1
+    out = torch.empty_like(x) if out is None else out
+    if num_tokens == 0:
+        return out
+    dev = x.device
+    block_t, block_c = 16, 128
+    q_start, q_len_t, block_seq, block_tok = ragged_metadata(q_lens, [], block_t, dev)
+    _conv_out_kernel[(block_seq.numel(), triton.cdiv(num_channels, block_c))](
+        x, conv_state, weight, bias if bias is not None else weight, out, q_start, q_len_t, slots, block_seq, block_tok,
+        num_channels, x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0),
+        KSIZE=ksize, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c,
+        num_warps=4,
+    )
+    keep = keep_slots is not None
+    num_out = keep_slots.shape[1] if keep else 1
+    _conv_state_kernel[(len(q_lens), triton.cdiv(num_channels, block_c), num_out)](
+        x, conv_state, q_start, q_len_t, slots, keep_slots if keep else slots, num_channels, x.stride(0),
+        conv_state.stride(0), conv_state.stride(1), keep_slots.stride(0) if keep else 0,
+        KSIZE=ksize, KEEP=keep, BLOCK_C=block_c, BLOCK_K=next_pow2(ksize - 1), num_warps=4,
+    )
+    return out

@@ -1,0 +1,1 @@
+"""Gated DeltaNet over a ragged batch with recurrent states in state-pool slots."""

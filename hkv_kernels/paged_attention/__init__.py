@@ -1,0 +1,1 @@
+"""Paged attention over a ragged batch (decode and prefill-with-prefix in one kernel)."""

@@ -1,0 +1,160 @@
+"""Triton paged attention: GQA, page table, ragged batch, causal among new tokens.
+
+One program owns a tile of BLOCK_M rows = (query token, query head of one KV
+head's group) pairs, so a decode step (one token, G heads) and a prefill chunk
+(many tokens) run the same code and every K/V block read serves the whole
+group. Keys are gathered through the page table one block of BLOCK_N
+positions at a time with an online softmax (exp2 form).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hkv_kernels.common import dot_precision, next_pow2, ragged_metadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_block(
+    acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, kv_end, q_pos, k_head_off, v_head_off, d, d_mask,
+    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
+    MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    j = start + tl.arange(0, BLOCK_N)  # [N] key positions
+    j_mask = j < kv_end
+    page = tl.load(pages_ptr + j // PAGE_SIZE, mask=j_mask, other=0).to(tl.int64)
+    off = (j % PAGE_SIZE).to(tl.int64)
+    kv_mask = j_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + k_head_off)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + (page * stride_vp + off * stride_vs + v_head_off)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
+    if MASKED:
+        s = tl.where(j_mask[None, :] & (j[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, q_start_ptr, q_len_ptr, kv_len_ptr, block_seq_ptr, block_tok_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_pt, qk_scale, num_blocks,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # last token blocks (the longest causal spans) first, so the tail of the grid is short work
+    blk = num_blocks - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(block_seq_ptr + blk)
+    t0 = tl.load(block_tok_ptr + blk)
+    n = tl.load(q_len_ptr + seq)
+    kv_len = tl.load(kv_len_ptr + seq)
+    q_start = tl.load(q_start_ptr + seq)
+
+    r = tl.arange(0, BLOCK_M)
+    tok = t0 + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_mask = (r < BLOCK_T * GROUP) & (tok < n)
+    q_pos = kv_len - n + tok  # absolute position of each row's query
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    pages_ptr = page_table_ptr + seq.to(tl.int64) * stride_pt
+    k_head_off = kv_head * stride_kh
+    v_head_off = kv_head * stride_vh
+    # keys every row of the tile sees need no mask; the causal edge follows
+    kv_end = tl.minimum(kv_len, kv_len - n + t0 + BLOCK_T)
+    full_end = ((kv_len - n + t0 + 1) // BLOCK_N) * BLOCK_N
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attn_block(
+            acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, kv_end, q_pos, k_head_off, v_head_off,
+            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
+            False, PAGE_SIZE, BLOCK_N, PRECISION,
+        )
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attn_block(
+            acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, kv_end, q_pos, k_head_off, v_head_off,
+            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
+            True, PAGE_SIZE, BLOCK_N, PRECISION,
+        )
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(o_ptr + o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def _tile_config(q_lens: list[int], group: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), from the H200 sweep in docs/kernels.md.
+
+    Decode: few rows, long key blocks to keep many loads in flight. Prefill: wide row tiles.
+    Head dims above 128 get a smaller, unmeasured prefill tile so registers and shared memory fit.
+    """
+    if max(q_lens, default=1) <= 4:
+        return max(16, next_pow2(group * max(q_lens, default=1))), 128, 4, 3
+    if head_dim <= 128:
+        return max(256, next_pow2(group)), 64, 8, 2
+    return max(64, next_pow2(group)), 64, 4, 2
+
+
+def launch_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    q_lens: list[int], kv_lens: list[int], scale: float, out: torch.Tensor,
+    tile: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Launcher: builds the per-sequence metadata and the token-block grid, writes `out`.
+
+    tile: (BLOCK_M, BLOCK_N, num_warps, num_stages) to override the default (benchmark sweeps).
+    """
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    block_m, block_n, num_warps, num_stages = tile or _tile_config(q_lens, group, head_dim)
+    block_t = max(1, block_m // group)
+    q_start, q_len_t, kv_len_t, block_seq, block_tok = ragged_metadata(q_lens, [kv_lens], block_t, q.device)
+    num_blocks = block_seq.numel()
+    if num_blocks == 0:
+        return out
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1 and out.stride(2) == 1
+    _paged_attention_kernel[(num_blocks, num_kv_heads)](
+        q, k_cache, v_cache, out, page_table, q_start, q_len_t, kv_len_t, block_seq, block_tok,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), page_table.stride(0), scale * _LOG2E, num_blocks,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    q_lens: list[int], kv_lens: list[int], scale: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's new queries over its paged K/V (Triton).
+
+    q: [T, Hq, D] new tokens of all B sequences, concatenated in batch order;
+    k_cache, v_cache: [P, page_size, Hkv, D] one storage layer, the new tokens'
+        K/V already written (Hq a multiple of Hkv; query head h reads KV head h // (Hq // Hkv));
+    page_table: [B, max_pages] int32/int64, row b's first ceil(kv_lens[b] / page_size) entries used;
+    q_lens, kv_lens: [B] python ints, new tokens and total (cached + new) tokens per sequence;
+    out: optional [T, Hq, D] to write into.
+    Query i of sequence b sits at position kv_lens[b] - q_lens[b] + i and sees keys up to it.
+    Returns out: [T, Hq, D] in q's dtype.
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    return launch_paged_attention(q, k_cache, v_cache, page_table, q_lens, kv_lens, scale, out)
