@@ -33,8 +33,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hkv.config import HkvConfig
+from hkv.ipc import stats
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import Inbound, Outbound
+from hkv.ipc.shm import ShmError, ShmRegion
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.models.tokenizer import Tokenizer, TokenizerError
 from hkv.openai.generation import ChoiceUpdate, Generation
@@ -343,6 +345,22 @@ class Api:
 FLUSH_TIMEOUT_S = 30.0
 
 
+def _attach_engine_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack):
+    """A reader of the router's stats block for /metrics; reads nothing when there is none."""
+    try:
+        region = ShmRegion.attach(cfg.server.name, stats.REGION, readonly=True)
+    except ShmError:
+        return lambda: None
+    view = stats.RouterStats(region.payload)
+
+    def close() -> None:
+        view.release_views()
+        region.close()
+
+    stack.callback(close)
+    return view.read
+
+
 def _site_url(runner: web.AppRunner) -> str:
     host, port = runner.addresses[0][:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -359,7 +377,10 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
             sender: Sender[Inbound] = Sender(zctx, cfg.ipc_address("router_in"), "router_in")
             outbox_bound = 2 * cfg.scheduler.max_queued_requests + 64
             link = await stack.enter_async_context(RouterLink(receiver, sender, outbox_bound))
-            metrics = ApiMetrics({"api_in": lambda: receiver.malformed, "router_deltas": lambda: link.malformed})
+            engine_stats = _attach_engine_stats(cfg, stack)
+            metrics = ApiMetrics(
+                {"api_in": lambda: receiver.malformed, "router_deltas": lambda: link.malformed}, engine_stats
+            )
             api = Api(cfg, link, tokenizer, limits, metrics)
             # handler_cancellation: a client that hangs up cancels its handler, which aborts its sequences
             runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)

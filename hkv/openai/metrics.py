@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from hkv.ipc.messages import EngineState
 from hkv.openai.generation import Generation
@@ -29,8 +29,49 @@ class _MalformedCollector:
         yield family
 
 
+class _EngineStatsCollector:
+    """The router's live stats (its shared-memory block), read at scrape time."""
+
+    POOLS = (("gpu_pages", "pages"), ("state_slots", "state_slots"), ("window_slots", "window_slots"))
+    COUNTERS = (
+        ("hkv_engine_steps", "Steps the engine ran", "steps"),
+        ("hkv_engine_step_seconds", "Seconds of steps, scheduling to result applied", "step_wall_s"),
+        ("hkv_engine_forward_seconds", "Seconds ranks spent in the model forward", "forward_s"),
+        ("hkv_engine_prefill_tokens", "Prompt (and recomputed) tokens run", "prefill_tokens"),
+        ("hkv_engine_preemptions", "Sequences preempted for pages", "preemptions"),
+        ("hkv_cache_flushes", "Cache flushes", "flushes"),
+    )
+
+    def __init__(self, read: Callable[[], dict[str, float] | None]):
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        values = self._read()
+        if values is None:
+            return
+        for name, doc, key in self.COUNTERS:
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], values[key])
+            yield family
+        pools = GaugeMetricFamily("hkv_cache_pool", "Cache pool entries by pool and state", labels=["pool", "state"])
+        for pool, prefix in self.POOLS:
+            total, free, cached = (values[f"{prefix}_{k}"] for k in ("total", "free", "cached"))
+            for state, value in (("free", free), ("cached", cached), ("in_use", total - free - cached)):
+                pools.add_metric([pool, state], value)
+        yield pools
+        for name, doc, key in (("hkv_radix_nodes", "Radix tree nodes", "radix_nodes"),
+                               ("hkv_radix_checkpoints", "Radix nodes carrying a state checkpoint", "radix_checkpoints"),
+                               ("hkv_engine_live_waiting", "Sequences waiting at the router", "waiting"),
+                               ("hkv_engine_live_running", "Sequences holding a slot", "running")):
+            yield GaugeMetricFamily(name, doc, value=values[key])
+
+
 class ApiMetrics:
-    def __init__(self, malformed_sources: dict[str, Callable[[], int]]):
+    def __init__(
+        self,
+        malformed_sources: dict[str, Callable[[], int]],
+        engine_stats: Callable[[], dict[str, float] | None] = lambda: None,
+    ):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -50,6 +91,7 @@ class ApiMetrics:
         self.engine_waiting = Gauge("hkv_engine_waiting_requests", "Requests queued at the router", registry=r)
         self.engine_running = Gauge("hkv_engine_running_requests", "Requests holding KV pages", registry=r)
         r.register(_MalformedCollector(malformed_sources))
+        r.register(_EngineStatsCollector(engine_stats))
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

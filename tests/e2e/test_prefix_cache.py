@@ -119,3 +119,15 @@ def test_pressure_with_shared_prefixes_then_flush(qwen3_dir, qwen3_reference, tm
     finally:
         assert server.stop(signal.SIGTERM) == 0
     assert_clean(server, pids)
+
+
+def test_metrics_expose_the_engine_and_cache(qwen3_server):
+    import re
+    import urllib.request
+
+    _complete(qwen3_server.url, _body(list(range(10, 60)), 4))
+    text = urllib.request.urlopen(f"{qwen3_server.url}/metrics", timeout=10).read().decode()
+    steps = float(re.search(r"^hkv_engine_steps_total (\S+)$", text, re.M).group(1))
+    cached = float(re.search(r'^hkv_cache_pool\{pool="gpu_pages",state="cached"\} (\S+)$', text, re.M).group(1))
+    assert steps > 0 and cached > 0
+    assert re.search(r'^hkv_requests_total\{endpoint="/v1/completions",status="200"\} ', text, re.M)
