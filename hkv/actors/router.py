@@ -11,7 +11,6 @@ per step goes to the api, sent while the ranks run the next step.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time

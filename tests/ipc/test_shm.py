@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import posix_ipc
@@ -37,24 +35,13 @@ from hkv.ipc.shm import (
     unlink_instance,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-_names = itertools.count()
+from tests.shm_helpers import fresh_instance, make_dead_segment
 
 
 @pytest.fixture
 def instance():
     """A fresh instance name per test; every segment under it is unlinked after."""
-    name = f"t{os.getpid()}_{next(_names)}"
-    yield name
-    unlink_instance(name)
-    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"hkv-{name}-")]
-
-
-def make_dead_segment(instance: str, region: str) -> None:
-    """Create a segment from a child process that exits without unlinking it."""
-    code = ("import sys; from hkv.ipc.shm import ShmRegion; "
-            "ShmRegion.create(sys.argv[1], sys.argv[2], 64, 'child')")
-    subprocess.run([sys.executable, "-c", code, instance, region], cwd=REPO, check=True)
+    yield from fresh_instance("t")
 
 
 def make_raw_segment(instance: str, region: str, content: bytes) -> None:

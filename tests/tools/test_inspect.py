@@ -2,36 +2,23 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from hkv.ipc.shm import SHM_DIR, Registry, ShmRegion, unlink_instance
+from hkv.ipc.shm import SHM_DIR, Registry, ShmRegion
 from tools.inspect import InstanceNotFound, inspect_instance, main
 
-REPO = Path(__file__).resolve().parents[2]
-_names = itertools.count()
+from tests.shm_helpers import REPO, fresh_instance, make_dead_segment
 
 
 @pytest.fixture
 def instance():
     """A fresh instance name per test; every segment under it is unlinked after."""
-    name = f"i{os.getpid()}_{next(_names)}"
-    yield name
-    unlink_instance(name)
-    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"hkv-{name}-")]
-
-
-def make_dead_segment(instance: str, region: str) -> None:
-    """Create a segment from a child process that exits without unlinking it."""
-    code = ("import sys; from hkv.ipc.shm import ShmRegion; "
-            "ShmRegion.create(sys.argv[1], sys.argv[2], 64, 'child')")
-    subprocess.run([sys.executable, "-c", code, instance, region], cwd=REPO, check=True)
+    yield from fresh_instance("i")
 
 
 def inspect_cli(*args: str) -> subprocess.CompletedProcess[str]:
