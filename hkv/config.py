@@ -33,6 +33,7 @@ class ModelConfig:
     tp: int
     seed: int
     cpu_threads: int  # torch intra-op threads of a CPU rank (leaves cores to the api and router)
+    max_context: int  # the model's context length (max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,13 @@ def _read_hf_config(model_path: str) -> dict:
     return hf.get("text_config", hf)
 
 
+def _max_context(text_cfg: dict) -> int:
+    value = text_cfg.get("max_position_embeddings")
+    if not isinstance(value, int) or value < 2:
+        raise ConfigError(f"config.json: max_position_embeddings must be an integer >= 2, got {value!r}")
+    return value
+
+
 def _is_hybrid(text_cfg: dict) -> bool:
     return "linear_attention" in (text_cfg.get("layer_types") or ())
 
@@ -269,18 +277,13 @@ def _resolve_device(requested: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _resolve_dtype(requested: str, device: str, model_path: str) -> str:
+def _resolve_dtype(requested: str, device: str, text_cfg: dict) -> str:
     if requested != "auto":
         if device == "cpu" and requested == "float16":
             raise ConfigError("--dtype float16 is not supported on --device cpu")
         return requested
     if device == "cpu":
         return "float32"
-    try:
-        hf = json.loads(Path(model_path, "config.json").read_text())
-    except (OSError, ValueError):
-        hf = {}
-    text_cfg = hf.get("text_config", hf)
     declared = text_cfg.get("dtype") or text_cfg.get("torch_dtype") or "bfloat16"
     return declared if declared in DTYPES[1:] else "bfloat16"
 
@@ -310,16 +313,17 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     device = _resolve_device(args.device)
     cache_dir = builtin_cache_dir()
     path = _resolve_model_path(args.model, cache_dir)
-    dtype = _resolve_dtype(args.dtype, device, path)
+    text_cfg = _read_hf_config(path)
+    dtype = _resolve_dtype(args.dtype, device, text_cfg)
     name = args.name or f"hkv{args.port}"
     on_cpu = device == "cpu"
     max_total = args.max_total_tokens or (32768 if on_cpu else 262144)
     max_running = args.max_running_requests or (32 if on_cpu else 256)
-    hybrid = _is_hybrid(_read_hf_config(path))
+    hybrid = _is_hybrid(text_cfg)
     interval, state_slots = _resolve_checkpoints(args, hybrid, max_running, on_cpu)
     run_dir = tempfile.mkdtemp(prefix=f"hkv-{name}-")  # mode 0700
     return HkvConfig(
-        model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads()),
+        model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), _max_context(text_cfg)),
         cache=CacheConfig(
             page_size=args.page_size,
             max_total_tokens=max_total,

@@ -60,10 +60,9 @@ class Instance:
             log.info("swept %d orphaned shared-memory segments", len(removed))
         registry = Registry.create(cfg.server.name, capacity=16)
         self.regions.append(registry)
-        max_context = _max_context(cfg.model.path)
         layout = request_table.TableLayout(
             slots=cfg.scheduler.max_running_requests,
-            max_pages=(max_context + cfg.cache.page_size - 1) // cfg.cache.page_size + 1,
+            max_pages=(cfg.model.max_context + cfg.cache.page_size - 1) // cfg.cache.page_size + 1,
         )
         table = ShmRegion.create(cfg.server.name, request_table.REGION, layout.nbytes(), writer="router")
         self.regions.append(table)
@@ -188,12 +187,6 @@ def _signal(child: Child, sig: int) -> None:
         child.proc.send_signal(sig)
     except ProcessLookupError:
         pass
-
-
-def _max_context(path: str) -> int:
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        hf = json.load(f)
-    return int(hf.get("text_config", hf)["max_position_embeddings"])
 
 
 async def _supervise(inst: Instance) -> int:

@@ -52,7 +52,7 @@ def inspect_instance(name: str) -> dict[str, Any]:
     if stats.RADIX_REGION in entries and "radix" in report:
         report["radix"].update(_read_radix(name))
     if request_table.REGION in entries:
-        report["requests"] = _read_requests(name, entries[request_table.REGION].layout)
+        report["requests"] = _read_requests(name)
     return report
 
 
@@ -92,9 +92,9 @@ def _read_radix(name: str) -> dict[str, Any]:
     return {"checkpoint_nodes": doc.get("checkpoint_nodes", []), "listed_all": doc.get("listed_all", True)}
 
 
-def _read_requests(name: str, layout: dict) -> list[dict]:
-    with ShmRegion.attach(name, request_table.REGION, readonly=True) as region:
-        table = request_table.RequestTable(request_table.TableLayout(**layout), region.payload)
+def _read_requests(name: str) -> list[dict]:
+    region, table = request_table.attach(name, readonly=True)
+    with region:
         rows = table.snapshot()
         table.release_views()
     return rows

@@ -17,7 +17,6 @@ from hkv.ipc import request_table
 from hkv.ipc.dgram import DgramReceiver, DgramSender
 from hkv.ipc.messages import RankInbound, RankOutbound, RankReady, Shutdown
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
-from hkv.ipc.shm import Registry, ShmRegion
 
 log = logging.getLogger("hkv.rank")
 PLAN_SPIN_S = 0.002
@@ -46,15 +45,8 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRun
     return ModelRunner(loaded.model, kv, state, table, cfg.cache.page_size, cfg.model.device)
 
 
-def _attach_table(cfg: HkvConfig) -> tuple[ShmRegion, request_table.RequestTable]:
-    entries = {e.region: e for e in Registry.attach(cfg.server.name).entries()}
-    layout = request_table.TableLayout(**entries[request_table.REGION].layout)
-    region = ShmRegion.attach(cfg.server.name, request_table.REGION, readonly=True)
-    return region, request_table.RequestTable(layout, region.payload)
-
-
 async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
-    region, table = _attach_table(cfg)
+    region, table = request_table.attach(cfg.server.name, readonly=True)
     # The step link is a Unix datagram pair (hkv/ipc/dgram.py); the rank polls briefly for the
     # next plan after answering, since the router sends it within a fraction of a millisecond.
     inbox = DgramReceiver(cfg.ipc_address(f"rank{ctx.rank}_in"), RankInbound, "rank_in", spin_s=PLAN_SPIN_S)

@@ -11,11 +11,9 @@ per step goes to the api, sent while the ranks run the next step.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq.asyncio
 
@@ -43,7 +41,7 @@ from hkv.ipc.messages import (
     TokenBatch,
 )
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
-from hkv.ipc.shm import Registry, ShmRegion
+from hkv.ipc.shm import ShmRegion
 
 log = logging.getLogger("hkv.router")
 RADIX_EVERY_S = 0.5
@@ -51,13 +49,11 @@ STEP_EMA_WEIGHT = 0.2
 RADIX_LIST_MAX = 2048  # checkpoint nodes listed; ~60 bytes each fits RADIX_BYTES
 
 
-def model_limits(path: str) -> tuple[int, frozenset[int]]:
-    """(context length, EOS ids) of a checkpoint folder, without loading weights."""
+def eos_ids(path: str) -> frozenset[int]:
+    """EOS ids of a checkpoint folder (config, generation config and tokenizer config)."""
     from hkv.models.tokenizer import Tokenizer
 
-    hf = json.loads(Path(path, "config.json").read_text())
-    text_cfg = hf.get("text_config", hf)
-    return int(text_cfg["max_position_embeddings"]), frozenset(Tokenizer.from_folder(path).eos_token_ids)
+    return frozenset(Tokenizer.from_folder(path).eos_token_ids)
 
 
 @dataclass(frozen=True)
@@ -81,14 +77,13 @@ class Router:
         router_stats: stats.RouterStats,
         radix_block: memoryview,
     ):
-        max_context, eos_ids = model_limits(cfg.model.path)
         c = cfg.cache
         limits = SchedulerLimits(
             page_size=c.page_size,
             max_running=cfg.scheduler.max_running_requests,
             token_budget=cfg.scheduler.chunked_prefill_size,
-            max_context=max_context,
-            eos_ids=eos_ids,
+            max_context=cfg.model.max_context,
+            eos_ids=eos_ids(cfg.model.path),
             hybrid=c.hybrid,
             checkpoint_interval=c.checkpoint_interval,
         )
@@ -262,10 +257,7 @@ class Router:
 
 
 async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
-    entries = {e.region: e for e in Registry.attach(cfg.server.name).entries()}
-    layout = request_table.TableLayout(**entries[request_table.REGION].layout)
-    region = ShmRegion.attach(cfg.server.name, request_table.REGION)
-    table = request_table.RequestTable(layout, region.payload)
+    region, table = request_table.attach(cfg.server.name, readonly=False)
     stats_region = ShmRegion.attach(cfg.server.name, stats.REGION)
     router_stats = stats.RouterStats(stats_region.payload)
     radix_region = ShmRegion.attach(cfg.server.name, stats.RADIX_REGION)

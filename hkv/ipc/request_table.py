@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hkv.ipc.shm import ShmRegion
 
 REGION = "requests"
 VERSION = 1
@@ -58,6 +62,16 @@ class TableLayout:
 
     def to_dict(self) -> dict:
         return {"slots": self.slots, "max_pages": self.max_pages}
+
+
+def attach(instance: str, readonly: bool) -> tuple["ShmRegion", "RequestTable"]:
+    """Map a live instance's request table (layout from its registry); close the region when done."""
+    from hkv.ipc.shm import Registry, ShmRegion
+
+    with Registry.attach(instance, readonly=True) as registry:
+        entry = next(e for e in registry.entries() if e.region == REGION)
+    region = ShmRegion.attach(instance, REGION, readonly=readonly)
+    return region, RequestTable(TableLayout(**entry.layout), region.payload)
 
 
 def _align(offset: int, to: int = 64) -> int:

@@ -43,7 +43,7 @@ def make_cfg(run_dir: str, **server: object) -> HkvConfig:
         drain_timeout_s=5.0,
     )
     return HkvConfig(
-        model=ModelConfig("tiny-dense", str(tiny_dense_folder()), "float32", "cpu", 1, 0, 1),
+        model=ModelConfig("tiny-dense", str(tiny_dense_folder()), "float32", "cpu", 1, 0, 1, 4096),
         cache=CacheConfig(16, 4096, True, False, None, 0, 0.0, None, None),
         scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=512, max_queued_requests=64),
         spec=SpecConfig(0, None),
