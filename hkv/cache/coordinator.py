@@ -27,6 +27,8 @@ refuse to run while it is. See docs/cache.md for the router's call sequence.
 from __future__ import annotations
 
 import enum
+import itertools
+from dataclasses import dataclass
 from typing import Callable
 
 from hkv.cache.errors import CapacityError, TransactionError
@@ -35,6 +37,17 @@ from hkv.cache.radix import Checkpoint, Node, RadixTree
 from hkv.cache.types import (
     CacheOp, CacheSpec, CheckpointRef, Evicted, Grant, Hit, Published, RestoreCheckpoint, SaveCheckpoint,
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A published prefix kept in place while a lower tier copies it (see CacheCoordinator.hold)."""
+
+    hold_id: int
+    node: Node  # locked: its root path cannot be evicted
+    checkpoint: Checkpoint | None  # pinned: the state at `length`, when the node carries one
+    length: int  # tokens held, page-aligned
+    pages: tuple[int, ...]  # device pages of [0, length), in sequence order
 
 
 class Phase(enum.Enum):
@@ -94,6 +107,7 @@ class Transaction:
         self._pages_before: int = len(req.pages)
         self._hit_node: Node | None = None
         self._hit_ckpt: Checkpoint | None = None
+        self._extended: int = 0  # tokens a lower tier supplies past the hit (see extend)
         self._undo: list[Callable[[], None]] = []
 
     def match(self, token_ids: list[int] | tuple[int, ...]) -> Hit:
@@ -107,6 +121,21 @@ class Transaction:
         request's pages to the hit's pages and its cursor to hit.length.
         """
         return self._coord._match(self, token_ids)
+
+    def extend(self, tokens: int) -> tuple[int, ...]:
+        """Grow the hit by `tokens` whose K/V (and state) a lower tier supplies (a CPU or disk hit).
+
+            tokens  [0 ..... hit) [hit ........ hit + tokens) [ ... recomputed
+            pages    tree's         fresh pages, own: the caller loads them
+
+        Allowed right after `match` (before `reserve`); `tokens` is a positive
+        multiple of the page size. Allocates the pages (evicting like reserve;
+        CapacityError having changed nothing), advances the cursor and the
+        cached count. The caller emits the loads (LoadPages, and LoadState into
+        the live slot on a hybrid model), so commit emits no RestoreCheckpoint.
+        Returns the new page ids, in sequence order.
+        """
+        return self._coord._extend(self, tokens)
 
     def reserve(self, *, tokens: int = 0, pages: int = 0, state_slots: int = 0, window_slots: int = 0) -> None:
         """Reserve what the request's next step needs, evicting unreferenced cache entries.
@@ -160,6 +189,8 @@ class CacheCoordinator:
         self._txn: Transaction | None = None
         self._undo: list[Callable[[], None]] | None = None  # the open undo log, if any
         self._fault: Callable[[str], None] | None = fault
+        self.holds: dict[int, Hold] = {}  # hold id -> a prefix being copied to a lower tier
+        self._hold_ids = itertools.count(1)
 
     # ---- the undo log ---------------------------------------------------------------
 
@@ -242,6 +273,34 @@ class CacheCoordinator:
         self.tree.unlock(node)
         req.pages, req.cursor, req.published, req.lock, req.held = [], 0, 0, None, None
         req.cached_tokens = cached_tokens
+
+    def _extend(self, txn: Transaction, tokens: int) -> tuple[int, ...]:
+        req = self._check_txn(txn)
+        P = self.spec.page_size
+        if txn._may_match or req.cursor != req.published + txn._extended or req.state_slots:
+            raise TransactionError(f"request {req.req_id}: extend must follow match, before reserve")
+        if tokens <= 0 or tokens % P:
+            raise ValueError(f"extend({tokens}): a positive multiple of the page size {P}")
+        need = tokens // P
+        self._check_room(need, 0, 0)
+        mark = len(self._undo)
+        try:
+            self._make_room(need, 0, 0)
+            start = len(req.pages)
+            self._grant(req, need, 0, 0)
+            old = (req.cursor, req.cached_tokens, txn._extended)
+            req.cursor += tokens
+            req.cached_tokens = req.cursor
+            txn._extended += tokens
+
+            def undo() -> None:
+                req.cursor, req.cached_tokens, txn._extended = old
+
+            self._log(undo)
+        except BaseException:
+            self._undo_to(mark)
+            raise
+        return tuple(req.pages[start:])
 
     def _reserve(self, txn: Transaction, tokens: int, pages: int, state_slots: int, window_slots: int) -> None:
         req = self._check_txn(txn)
@@ -328,7 +387,7 @@ class CacheCoordinator:
         req = self._check_txn(txn)
         ops: list[CacheOp] = []
         ckpt = txn._hit_ckpt
-        if ckpt is not None:
+        if ckpt is not None and not txn._extended:
             if not req.state_slots:
                 self._rollback(txn)
                 raise TransactionError(f"request {req.req_id}: a checkpoint hit needs a live state slot")
@@ -341,7 +400,8 @@ class CacheCoordinator:
         req.phase = Phase.RUNNING
         self._close(txn)
         return Grant(
-            req.req_id, tuple(req.pages), txn._pages_before, req.cursor, req.cached_tokens if txn._hit_node else 0,
+            req.req_id, tuple(req.pages), txn._pages_before, req.cursor,
+            req.cached_tokens if txn._hit_node or txn._extended else 0,
             tuple(req.state_slots), tuple(req.window_slots), tuple(ops),
         )  # fmt: skip
 
@@ -497,6 +557,50 @@ class CacheCoordinator:
             self.tree.unlock(req.lock)
         req.pages, req.duplicates, req.cursor, req.published = [], [], 0, 0
         req.lock, req.held, req.state_slots, req.window_slots = None, None, [], []
+
+    # ---- holds: pages being copied out to a lower tier ----------------------------------
+
+    def hold(self, req_id: int) -> Hold | None:
+        """Keep the request's published prefix (and its checkpoint) from eviction while it is copied out.
+
+            tokens [0 ............ published)   the path to the request's lock node
+            hold    locks that path; pins the node's checkpoint when it has one
+
+        The hold outlives the request: release it with `unhold` once the copy
+        ran. Returns None when nothing is published. No transaction may be open.
+        """
+        req = self._running(req_id, "hold")
+        node = req.lock
+        if node is None or req.published == 0:
+            return None
+        self.tree.lock(node)
+        ckpt = node.checkpoint if node.depth == req.published else None
+        if ckpt is not None:
+            self.tree.hold(ckpt)
+        hold_id = next(self._hold_ids)
+        pages = tuple(self.tree.path_pages(node, req.published))
+        hold = Hold(hold_id, node, ckpt, req.published, pages)
+        self.holds[hold_id] = hold
+        return hold
+
+    def unhold(self, hold: Hold) -> None:
+        """Let go of a hold (the copy ran or failed); its entries become evictable again."""
+        self._running_check("unhold")
+        if self.holds.pop(hold.hold_id, None) is None:
+            raise TransactionError(f"unhold: hold {hold.hold_id} is not held")
+        if hold.checkpoint is not None:
+            self.tree.unhold(hold.checkpoint)
+        self.tree.unlock(hold.node)
+
+    def peek(self, token_ids) -> int:
+        """Tokens `match` would serve from the device right now (read-only: locks nothing, touches nothing)."""
+        if not self.spec.prefix_cache or len(token_ids) < 2:
+            return 0
+        found = self.tree.match(tuple(token_ids), len(token_ids) - 1)
+        if self.spec.hybrid:
+            node = found.checkpoint_node
+            return 0 if node is None else node.depth
+        return found.length
 
     # ---- eviction -------------------------------------------------------------------
 

@@ -38,6 +38,14 @@ def check(coord: "CacheCoordinator", allow_open_transaction: bool) -> None:
     holders = _Holders()
     for req in coord.requests.values():
         _check_request(coord, req, holders)
+    for hold in coord.holds.values():  # prefixes being copied to a lower tier lock like requests
+        assert hold.node.in_tree, f"hold {hold.hold_id}: its node {hold.node.node_id} left the tree"
+        node = hold.node
+        while node.parent is not None:
+            holders.locks[id(node)] = holders.locks.get(id(node), 0) + 1
+            node = node.parent
+        if hold.checkpoint is not None:
+            holders.holds[id(hold.checkpoint)] = holders.holds.get(id(hold.checkpoint), 0) + 1
     cached = _check_tree(coord.tree, coord.spec.hybrid, holders)
     _balance(coord.pages, holders.pages, cached[0])
     _balance(coord.state_slots, holders.state_slots, cached[1])

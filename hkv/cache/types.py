@@ -96,7 +96,40 @@ class SaveCheckpoint(msgspec.Struct, frozen=True, tag="save_checkpoint"):
     dst_window: int | None = None  # the checkpoint's window slot
 
 
-CacheOp = RestoreCheckpoint | SaveCheckpoint
+class StorePages(msgspec.Struct, frozen=True, tag="store_pages"):
+    """Copy device KV pages into CPU-tier entries (GPU -> CPU offload).
+
+    The router keeps the source pages locked (a coordinator hold) and the
+    cache worker keeps the destination entries reserved until the step that
+    carries this op has run; pairs with an index out of range are skipped.
+    """
+
+    src_pages: list[int]  # device KV page ids, in sequence order
+    dst_entries: list[int]  # CPU-tier page entries, one per source page
+
+
+class StoreState(msgspec.Struct, frozen=True, tag="store_state"):
+    """Copy a checkpoint's state slot into a CPU-tier state entry (runs after any SaveCheckpoint before it)."""
+
+    src_slot: int  # state slot holding the checkpoint (pinned by the router's hold)
+    dst_entry: int  # CPU-tier state entry, reserved by the cache worker
+
+
+class LoadPages(msgspec.Struct, frozen=True, tag="load_pages"):
+    """Copy CPU-tier page entries into a request's fresh device pages (a CPU or disk hit)."""
+
+    src_entries: list[int]  # CPU-tier page entries, pinned by the cache worker until the step ran
+    dst_pages: list[int]  # device pages the admitting transaction allocated, in sequence order
+
+
+class LoadState(msgspec.Struct, frozen=True, tag="load_state"):
+    """Copy a CPU-tier state entry into a request's live state slot (the hit's checkpoint)."""
+
+    src_entry: int  # CPU-tier state entry, pinned until the step ran
+    dst_slot: int  # the request's live state slot
+
+
+CacheOp = RestoreCheckpoint | SaveCheckpoint | StorePages | StoreState | LoadPages | LoadState
 
 
 # ---- results --------------------------------------------------------------------
