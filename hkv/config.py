@@ -44,9 +44,14 @@ class CacheConfig:
     hybrid: bool  # the model has linear-attention layers (state slots, checkpoints)
     checkpoint_interval: int | None  # hybrid: tokens between checkpoints; None for dense models
     state_slots: int  # hybrid: linear-state slots, live states and checkpoints together; 0 for dense
-    cpu_cache_gb: float
-    disk_cache_dir: str | None
-    disk_cache_gb: float | None
+    cpu_cache_gb: float  # CPU tier (shm page pool) size; 0 = no tiers
+    disk_cache_dir: str | None  # disk tier folder (absolute), None = no disk tier
+    disk_cache_gb: float | None  # disk tier budget; set whenever disk_cache_dir is
+
+    @property
+    def tiers(self) -> bool:
+        """A cache worker runs (CPU tier, maybe disk behind it)."""
+        return self.cpu_cache_gb > 0
 
     @property
     def num_pages(self) -> int:
@@ -113,6 +118,9 @@ class HkvConfig:
     def ipc_address(self, link: str) -> str:
         """The ipc:// endpoint of one link inside this instance's private run directory."""
         return f"ipc://{self.run_dir}/{link}.sock"
+
+
+DEFAULT_DISK_CACHE_GB = 16.0  # --disk-cache-gb when only --disk-cache-dir is given
 
 
 def builtin_cache_dir() -> str:
@@ -187,15 +195,11 @@ def _not_built_yet(args: argparse.Namespace) -> list[str]:
     if args.tp != 1:
         pending.append("--tp")
     for flag, value in (
-        ("--disk-cache-dir", args.disk_cache_dir),
-        ("--disk-cache-gb", args.disk_cache_gb),
         ("--draft-window", args.draft_window),
         ("--secret-file", args.secret_file),
     ):
         if value is not None:
             pending.append(flag)
-    if args.cpu_cache_gb > 0:
-        pending.append("--cpu-cache-gb")
     if args.spec_tokens > 0:
         pending.append("--spec-tokens")
     if args.mode != "normal":
@@ -218,8 +222,28 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise ConfigError("--max-total-tokens must hold at least two pages")
     if args.name is not None and not _valid_name(args.name):
         raise ConfigError("--name may hold only letters, digits, '_' and '.', at most 32 characters")
+    _check_tiers(args)
     if args.model not in BUILTIN_MODELS and not Path(args.model, "config.json").is_file():
         raise ConfigError(f"--model {args.model}: not a built-in model and no config.json in that folder")
+
+
+def _check_tiers(args: argparse.Namespace) -> None:
+    """The CPU tier needs the prefix cache; the disk tier sits behind the CPU tier."""
+    if args.cpu_cache_gb > 0 and args.no_prefix_cache:
+        raise ConfigError("--cpu-cache-gb needs the prefix cache (drop --no-prefix-cache)")
+    if args.cpu_cache_gb > 4096:
+        raise ConfigError(f"--cpu-cache-gb {args.cpu_cache_gb} is more than 4096")
+    if args.disk_cache_gb is not None and args.disk_cache_dir is None:
+        raise ConfigError("--disk-cache-gb needs --disk-cache-dir")
+    if args.disk_cache_dir is None:
+        return
+    if args.cpu_cache_gb <= 0:
+        raise ConfigError("--disk-cache-dir needs --cpu-cache-gb > 0 (disk entries come back through the CPU tier)")
+    if args.disk_cache_gb is not None and args.disk_cache_gb <= 0:
+        raise ConfigError("--disk-cache-gb must be > 0")
+    target = Path(args.disk_cache_dir)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"--disk-cache-dir {args.disk_cache_dir}: exists and is not a directory")
 
 
 def _read_hf_config(model_path: str) -> dict:
@@ -332,8 +356,8 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             checkpoint_interval=interval,
             state_slots=state_slots,
             cpu_cache_gb=args.cpu_cache_gb,
-            disk_cache_dir=args.disk_cache_dir,
-            disk_cache_gb=args.disk_cache_gb,
+            disk_cache_dir=str(Path(args.disk_cache_dir).resolve()) if args.disk_cache_dir else None,
+            disk_cache_gb=(args.disk_cache_gb or DEFAULT_DISK_CACHE_GB) if args.disk_cache_dir else None,
         ),
         scheduler=SchedulerConfig(
             max_running_requests=max_running,

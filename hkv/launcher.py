@@ -72,6 +72,26 @@ class Instance:
         radix = ShmRegion.create(cfg.server.name, stats.RADIX_REGION, stats.RADIX_NBYTES, writer="router")
         self.regions.append(radix)
         registry.add(stats.RADIX_REGION, writer="router", version=1, layout={"format": "json_block"})
+        if cfg.cache.tiers:
+            self.create_tier_regions(registry)
+
+    def create_tier_regions(self, registry: Registry) -> None:
+        """The CPU tier's page pool (sized from the model's layouts) and the cache worker's stats block."""
+        from hkv.actors.cache_worker import TIER_REGION, TIER_STATS_NBYTES, TIER_STATS_REGION
+        from hkv.storage.host_pool import tier_layout
+
+        cfg = self.cfg
+        layout, fingerprint = tier_layout(cfg)
+        if layout.num_pages == 0:
+            raise ConfigError(f"--cpu-cache-gb {cfg.cache.cpu_cache_gb} holds no page of {layout.page_bytes} bytes")
+        log.info("CPU tier: %d pages, %d checkpoints, %.1f MiB", layout.num_pages, layout.num_states,
+                 layout.nbytes / 2**20)
+        self.regions.append(ShmRegion.create(cfg.server.name, TIER_REGION, layout.nbytes, writer="cache_worker"))
+        registry.add(TIER_REGION, writer="cache_worker", version=1,
+                     layout={**layout.to_dict(), "fingerprint": fingerprint.hex()})
+        self.regions.append(ShmRegion.create(cfg.server.name, TIER_STATS_REGION, TIER_STATS_NBYTES,
+                                             writer="cache_worker"))
+        registry.add(TIER_STATS_REGION, writer="cache_worker", version=1, layout={"format": "json_block"})
 
     async def spawn(self, name: str, module: str, config_file: str, extra: list[str]) -> Child:
         status_r, status_w = os.pipe()
@@ -114,6 +134,8 @@ class Instance:
         fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(cfg.to_json())
+        if cfg.cache.tiers:
+            await self.spawn("cache_worker", "hkv.actors.cache_worker", config_file, [])
         for r in range(cfg.model.tp):
             await self.spawn(f"rank{r}", "hkv.actors.rank", config_file, ["--rank", str(r)])
         await self.spawn("router", "hkv.actors.router", config_file, [])
@@ -170,7 +192,7 @@ class Instance:
                 pass
 
     def stop_order(self) -> list[str]:
-        return ["api", "router"] + [f"rank{r}" for r in range(self.cfg.model.tp)]
+        return ["api", "router"] + [f"rank{r}" for r in range(self.cfg.model.tp)] + ["cache_worker"]
 
 
 def _readable(fd: int) -> bool:
@@ -232,7 +254,11 @@ async def _run(cfg: HkvConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, inst)
     try:
-        inst.create_regions()
+        try:
+            inst.create_regions()
+        except ConfigError as exc:
+            print(f"hkv-launch: error: {exc}", file=sys.stderr, flush=True)
+            return 2
         await inst.start_all()
         failure = await inst.wait_ready()
         if failure is not None:

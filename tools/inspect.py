@@ -51,6 +51,8 @@ def inspect_instance(name: str) -> dict[str, Any]:
         report.update(_read_stats(name))
     if stats.RADIX_REGION in entries and "radix" in report:
         report["radix"].update(_read_radix(name))
+    if "tiers" in entries and "pools" in report:
+        _read_tiers(name, report)
     if request_table.REGION in entries:
         report["requests"] = _read_requests(name)
     return report
@@ -65,7 +67,7 @@ def _read_stats(name: str) -> dict[str, Any]:
     for key, prefix in (("gpu_pages", "pages"), ("state_slots", "state_slots"), ("window_slots", "window_slots")):
         total, free, cached = (int(values[f"{prefix}_{f}"]) for f in ("total", "free", "cached"))
         pools[key] = {"total": total, "free": free, "cached": cached, "in_use": total - free - cached}
-    # The CPU tier arrives with the cache worker; until then it holds nothing.
+    # the cache worker's block fills this in when the instance runs a CPU tier
     pools["cpu_pages"] = {"total": 0, "free": 0, "cached": 0, "in_use": 0}
     page_size = int(values["page_size"]) if "page_size" in values else None
     radix = {
@@ -78,9 +80,27 @@ def _read_stats(name: str) -> dict[str, Any]:
         radix["cached_tokens"] = radix["cached_pages"] * page_size
     steps = {k: values[k] for k in ("steps", "step_wall_s", "forward_s", "prefill_tokens", "decode_tokens",
                                     "preemptions", "waiting", "running", "flushes")}
-    tiers = {"gpu": {"cached_tokens_served": int(values["requests_cached_tokens"])},
-             "cpu": {"enabled": False}, "disk": {"enabled": False}}
+    tiers = {"gpu": {"cached_tokens_served": int(values["cached_tokens_gpu"])},
+             "cpu": {"enabled": False, "cached_tokens_served": int(values["cached_tokens_cpu"])},
+             "disk": {"enabled": False, "cached_tokens_served": int(values["cached_tokens_disk"])}}
     return {"pools": pools, "radix": radix, "tiers": tiers, "steps": steps}
+
+
+def _read_tiers(name: str, report: dict[str, Any]) -> None:
+    """Fill in the CPU and disk tiers from the cache worker's stats block."""
+    from hkv.actors.cache_worker import TIER_STATS_REGION
+
+    with ShmRegion.attach(name, TIER_STATS_REGION, readonly=True) as region:
+        doc = json_block.read(region.payload)
+    if not isinstance(doc, dict) or not isinstance(doc.get("cpu"), dict):
+        return
+    cpu = doc["cpu"]
+    report["pools"]["cpu_pages"] = dict(cpu["pages"])
+    report["pools"]["cpu_states"] = dict(cpu["states"])
+    tiers = report["tiers"]
+    tiers["cpu"].update({k: v for k, v in cpu.items() if k not in ("pages", "states")}, enabled=True)
+    if isinstance(doc.get("disk"), dict):
+        tiers["disk"].update(doc["disk"], enabled=True)
 
 
 def _read_radix(name: str) -> dict[str, Any]:
@@ -132,6 +152,9 @@ def _print_instance(report: dict[str, Any], as_json: bool) -> None:
         for node in nodes:
             print(f"    checkpoint at {node['tokens']} tokens in state slot {node['slot']}"
                   f"{' (pinned)' if node['pinned'] else ''}")
+    for tier, info in report.get("tiers", {}).items():
+        shown = {k: v for k, v in info.items() if not isinstance(v, dict)}
+        print(f"  tier {tier:<8} " + " ".join(f"{k}={v}" for k, v in shown.items()))
     for row in report.get("requests", []):
         print(f"  slot {row['slot']:<4} req {row['req_id']:<8} {row['phase']:<8} prompt={row['prompt_len']} "
               f"output={row['output_len']} kv={row['kv_len']} cached={row['cached_len']} pages={row['pages']}")

@@ -315,7 +315,8 @@ class Api:
             done = await asyncio.wait_for(self.link.flush_cache(), FLUSH_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise ProtocolError(503, "the router did not answer the flush in time", None, "busy") from None
-        return _json({"flushed": True, "pages": done.pages, "checkpoints": done.checkpoints})
+        return _json({"flushed": True, "pages": done.pages, "checkpoints": done.checkpoints,
+                      "cpu_pages": done.cpu_pages, "disk_files": done.disk_files})
 
     # ---- drain ---------------------------------------------------------------
 
@@ -361,6 +362,29 @@ def _attach_engine_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack):
     return view.read
 
 
+def _attach_tier_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack):
+    """A reader of the cache worker's stats block (a json_block) for /metrics; None without tiers."""
+    if not cfg.cache.tiers:
+        return lambda: None
+    from hkv.actors.cache_worker import TIER_STATS_REGION
+    from hkv.ipc import json_block
+
+    try:
+        region = ShmRegion.attach(cfg.server.name, TIER_STATS_REGION, readonly=True)
+    except ShmError:
+        return lambda: None
+    stack.callback(region.close)
+
+    def read() -> dict | None:
+        try:
+            doc = json_block.read(region.payload)
+        except json_block.JsonBlockBusy:
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    return read
+
+
 def _site_url(runner: web.AppRunner) -> str:
     host, port = runner.addresses[0][:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -379,7 +403,8 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
             link = await stack.enter_async_context(RouterLink(receiver, sender, outbox_bound))
             engine_stats = _attach_engine_stats(cfg, stack)
             metrics = ApiMetrics(
-                {"api_in": lambda: receiver.malformed, "router_deltas": lambda: link.malformed}, engine_stats
+                {"api_in": lambda: receiver.malformed, "router_deltas": lambda: link.malformed}, engine_stats,
+                _attach_tier_stats(cfg, stack),
             )
             api = Api(cfg, link, tokenizer, limits, metrics)
             # handler_cancellation: a client that hangs up cancels its handler, which aborts its sequences

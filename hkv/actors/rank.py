@@ -45,14 +45,41 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRun
     return ModelRunner(loaded.model, kv, state, table, cfg.cache.page_size, cfg.model.device)
 
 
+def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
+    """Map the CPU tier's shm pool (pinned on CUDA) so tier copies reach it; returns its region."""
+    from hkv.actors.cache_worker import attach_pool
+    from hkv.storage.host_pool import HostPool
+
+    region, layout, _ = attach_pool(cfg.server.name)
+    expect = runner.kv.layout
+    if (layout.kv_layers, layout.page_size, layout.kv_heads, layout.head_dim, layout.kv_dtype) != (
+        expect.num_layers, expect.page_size, expect.kv_heads, expect.head_dim, expect.dtype
+    ):
+        region.close()
+        raise ValueError(f"the CPU tier's layout {layout.descriptor} does not match the KV pool {expect}")
+    runner.host = HostPool(layout, region.payload)
+    if cfg.model.device == "cuda" and layout.nbytes:
+        import torch
+
+        base = torch.frombuffer(region.payload, dtype=torch.uint8)
+        err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), layout.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the CPU tier failed ({err})")
+    log.info("CPU tier attached: %d pages, %d checkpoints", layout.num_pages, layout.num_states)
+    return region
+
+
 async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     region, table = request_table.attach(cfg.server.name, readonly=True)
     # The step link is a Unix datagram pair (hkv/ipc/dgram.py); the rank polls briefly for the
     # next plan after answering, since the router sends it within a fraction of a millisecond.
     inbox = DgramReceiver(cfg.ipc_address(f"rank{ctx.rank}_in"), RankInbound, "rank_in", spin_s=PLAN_SPIN_S)
     outbox: DgramSender[RankOutbound] = DgramSender(cfg.ipc_address("router_results"), "router_results")
+    host_region = None
     try:
         runner = await asyncio.to_thread(_build_runner, cfg, table)
+        if cfg.cache.tiers:
+            host_region = _attach_host_pool(cfg, runner)
         inbox.start()
         await outbox.send(RankReady(ctx.rank, runner.kv.layout.num_pages))
         ctx.ready(rank=ctx.rank)
@@ -62,6 +89,9 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         await outbox.aclose()
         table.release_views()
         region.close()
+        if host_region is not None:
+            runner.host.release()
+            host_region.close()
 
 
 async def _step_loop(ctx: ActorContext, inbox, outbox, runner: ModelRunner) -> None:

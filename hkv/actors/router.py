@@ -21,6 +21,7 @@ from hkv.config import HkvConfig
 from hkv.cache.coordinator import CacheCoordinator
 from hkv.cache.types import CacheSpec
 from hkv.engine.scheduler import Scheduler, SchedulerLimits
+from hkv.engine.tier_client import TierClient
 from hkv.ipc import json_block, request_table, stats
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.dgram import DgramReceiver, DgramSender
@@ -30,14 +31,19 @@ from hkv.ipc.messages import (
     EngineState,
     FlushCache,
     GenerateRequest,
-    Inbound,
     Outbound,
     RankInbound,
     RankOutbound,
     RankReady,
+    RouterInbound,
     Shutdown,
     StepPlan,
     StepResult,
+    TierFlush,
+    TierFlushed,
+    TierFound,
+    TierInbound,
+    TierReserved,
     TokenBatch,
 )
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
@@ -76,6 +82,7 @@ class Router:
         table: request_table.RequestTable,
         router_stats: stats.RouterStats,
         radix_block: memoryview,
+        tier_root: bytes | None = None,
     ):
         c = cfg.cache
         limits = SchedulerLimits(
@@ -89,15 +96,21 @@ class Router:
         )
         spec = CacheSpec(c.page_size, c.num_pages, c.state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
         self.coord = CacheCoordinator(spec)
-        self.scheduler = Scheduler(limits, self.coord, table)
+        self.tiers = TierClient(self.coord, tier_root, c.page_size, c.hybrid) if tier_root is not None else None
+        self.scheduler = Scheduler(limits, self.coord, table, self.tiers)
         self.stats = router_stats
         self.debug = cfg.server.log_level == "debug"  # check the books after every step
         self._pending_flushes: list[int] = []
+        self._tier_flushes: dict[int, CacheFlushed] = {}  # flush id -> the device part, until the worker answers
+        self._flush_answers: list[CacheFlushed] = []  # complete answers for the api
         self._step_ema = 0.0  # smoothed seconds from sending a plan to its result
         self.radix_block = radix_block  # the checkpoint listing hkv-inspect reads
         self._radix_written: tuple | None = None  # tree counters at the last write
         self._radix_written_at = 0.0
-        self.inbox: Receiver[Inbound] = Receiver(zctx, cfg.ipc_address("router_in"), Inbound, "router_in")
+        self.inbox: Receiver[RouterInbound] = Receiver(zctx, cfg.ipc_address("router_in"), RouterInbound, "router_in")
+        self.to_cache: Sender[TierInbound] | None = (
+            Sender(zctx, cfg.ipc_address("cache_in"), "cache_in") if self.tiers is not None else None
+        )
         self.results: DgramReceiver[RankOutbound] = DgramReceiver(
             cfg.ipc_address("router_results"), RankOutbound, "router_results"
         )
@@ -133,6 +146,7 @@ class Router:
             started = time.perf_counter() if idle else step_end
             # 2. schedule and start the step
             plan = self.scheduler.schedule()
+            await self.send_tier()
             stuck = plan is None
             if plan is None:
                 await self.publish(self.scheduler.take_finished())
@@ -142,6 +156,7 @@ class Router:
             done = await self.publish_step(done)
             result = await self.wait_result(plan)
             deltas = self.scheduler.on_result(result, plan)
+            await self.send_tier()
             step_end = time.perf_counter()
             done = StepDone(plan, result, deltas, step_end - started)
 
@@ -159,22 +174,48 @@ class Router:
         for msg in self.inbox.drain():
             self.apply(msg)
 
-    def apply(self, msg: Inbound) -> None:
+    def apply(self, msg: RouterInbound) -> None:
         if isinstance(msg, GenerateRequest):
             self.scheduler.add(msg)
         elif isinstance(msg, AbortRequest):
             self.scheduler.abort(msg.req_id)
         elif isinstance(msg, FlushCache):
             self._pending_flushes.append(msg.flush_id)
+        elif self.tiers is None:
+            log.warning("ignoring a tier message without tiers: %r", msg)
+        elif isinstance(msg, TierFound):
+            self.scheduler.on_tier_found(msg)
+        elif isinstance(msg, TierReserved):
+            self.scheduler.on_tier_reserved(msg)
+        elif isinstance(msg, TierFlushed):
+            self._tier_flushed(msg)
+
+    async def send_tier(self) -> None:
+        """Send what the tier client queued (lookups, reservations, commits, releases)."""
+        if self.tiers is not None and self.tiers.outbox:
+            for msg in self.tiers.take_outbox():
+                await self.to_cache.send(msg)
 
     async def answer_flushes(self) -> None:
-        """Flush between steps (never inside a transaction) and tell the api what it freed."""
+        """Flush between steps (never inside a transaction) and tell the api what it freed;
+        with tiers, the answer waits for the cache worker's part."""
+        while self._flush_answers:
+            await self.to_api.send(self._flush_answers.pop(0))
         while self._pending_flushes:
             flush_id = self._pending_flushes.pop(0)
             pages, checkpoints = self.scheduler.flush()
             self.stats.add("flushes", 1)
             self.record_pools()
-            await self.to_api.send(CacheFlushed(flush_id, pages, checkpoints))
+            if self.tiers is None:
+                await self.to_api.send(CacheFlushed(flush_id, pages, checkpoints))
+            else:
+                self._tier_flushes[flush_id] = CacheFlushed(flush_id, pages, checkpoints)
+                await self.to_cache.send(TierFlush(flush_id))
+
+    def _tier_flushed(self, msg: TierFlushed) -> None:
+        device = self._tier_flushes.pop(msg.flush_id, None)
+        if device is not None:
+            self._flush_answers.append(CacheFlushed(msg.flush_id, device.pages, device.checkpoints, msg.pages, msg.files))
 
     async def send_plan(self, plan: StepPlan) -> None:
         for sender in self.to_ranks:
@@ -233,6 +274,7 @@ class Router:
             "radix_nodes": tree.num_nodes,
             "radix_checkpoints": tree.num_checkpoints,
             "radix_evictable_pages": tree.evictable_pages,
+            "tier_offloads_skipped": self.tiers.skipped_offloads if self.tiers is not None else 0,
         }
         for key, pool, cached in (
             ("pages", coord.pages, tree.cached_pages),
@@ -245,7 +287,13 @@ class Router:
     async def publish(self, deltas) -> None:
         for delta in deltas:
             if delta.finish_reason is not None:
-                self.stats.add("requests_cached_tokens", delta.cached_tokens)
+                tiers = delta.cache_tiers or {}
+                self.stats.add_many({
+                    "requests_cached_tokens": delta.cached_tokens,
+                    "cached_tokens_gpu": tiers.get("gpu", 0),
+                    "cached_tokens_cpu": tiers.get("cpu", 0),
+                    "cached_tokens_disk": tiers.get("disk", 0),
+                })
         if deltas:
             await self.to_api.send(TokenBatch(deltas))
 
@@ -254,6 +302,8 @@ class Router:
             sender.send_nowait(Shutdown("router stopping"))  # a rank that is already gone needs none
         for channel in (self.inbox, self.results, self.to_api, *self.to_ranks):
             await channel.aclose()
+        if self.to_cache is not None:
+            await self.to_cache.aclose()
 
 
 async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
@@ -261,8 +311,13 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     stats_region = ShmRegion.attach(cfg.server.name, stats.REGION)
     router_stats = stats.RouterStats(stats_region.payload)
     radix_region = ShmRegion.attach(cfg.server.name, stats.RADIX_REGION)
+    tier_root = None
+    if cfg.cache.tiers:
+        from hkv.actors.cache_worker import tier_fingerprint
+
+        tier_root = tier_fingerprint(cfg.server.name)
     zctx = zmq.asyncio.Context()
-    router = Router(cfg, zctx, table, router_stats, radix_region.payload)
+    router = Router(cfg, zctx, table, router_stats, radix_region.payload, tier_root)
     router.inbox.start()
     router.results.start()
     try:

@@ -13,6 +13,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from hkv.cache.types import LoadPages, LoadState, RestoreCheckpoint, SaveCheckpoint, StorePages, StoreState
 from hkv.engine.sampler import SampleRow, sample
 from hkv.ipc.messages import Sampled, SamplingParams, StepPlan, StepResult
 from hkv.ipc.request_table import RequestTable
@@ -20,8 +21,10 @@ from hkv.models.batch import ForwardBatch
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv, state, table: RequestTable, page_size: int, device: str):
+    def __init__(self, model: torch.nn.Module, kv, state, table: RequestTable, page_size: int, device: str,
+                 host=None):
         self.model = model
+        self.host = host  # HostPool: the CPU tier's shm entries (pinned on CUDA), None without tiers
         self.kv = kv  # KVPool: K/V pages of the full-attention layers
         self.state = state  # StatePool of the linear-attention layers, None for dense models
         self.table = table
@@ -40,6 +43,14 @@ class ModelRunner:
             if seq.state_slot is not None:
                 self.state_slots[seq.slot] = seq.state_slot
         forward_s = 0.0
+        if not plan.chunks:  # a copies-only plan (tier stores while nothing runs)
+            try:
+                with torch.inference_mode():
+                    self._run_cache_ops(plan)
+                    self._sync()
+            except Exception as exc:
+                return StepResult(plan.step, [], 0.0, f"{type(exc).__name__}: {exc}")
+            return StepResult(plan.step, [], 0.0)
         try:
             with torch.inference_mode():
                 batch = self.build_batch(plan)
@@ -61,11 +72,52 @@ class ModelRunner:
         return StepResult(plan.step, sampled, forward_s)
 
     def _run_cache_ops(self, plan: StepPlan) -> None:
-        """Checkpoint saves and restores, in the order the router emitted them."""
+        """Checkpoint saves and restores and tier copies, in the order the router emitted them."""
         for op in plan.ops:
-            if op.src_window is not None or op.dst_window is not None:
-                raise NotImplementedError("draft-window checkpoints arrive with speculative decoding")
-            self.state.copy_slot(op.src_slot, op.dst_slot)
+            if isinstance(op, (SaveCheckpoint, RestoreCheckpoint)):
+                if op.src_window is not None or op.dst_window is not None:
+                    raise NotImplementedError("draft-window checkpoints arrive with speculative decoding")
+                self.state.copy_slot(op.src_slot, op.dst_slot)
+            elif isinstance(op, StorePages):
+                self._copy_pages((self.kv.k, self.kv.v), (self.host.k, self.host.v), op.src_pages, op.dst_entries)
+            elif isinstance(op, LoadPages):
+                self._copy_pages((self.host.k, self.host.v), (self.kv.k, self.kv.v), op.src_entries, op.dst_pages)
+            elif isinstance(op, StoreState):
+                self._copy_state(to_host=True, slot=op.src_slot, entry=op.dst_entry)
+            elif isinstance(op, LoadState):
+                self._copy_state(to_host=False, slot=op.dst_slot, entry=op.src_entry)
+
+    def _copy_pages(self, src: tuple, dst: tuple, src_ids: list[int], dst_ids: list[int]) -> None:
+        """Pages between the device pool and the CPU tier; out-of-range pairs are skipped by the copy."""
+        from hkv_kernels.dispatch import copy_blocks
+
+        if self.host is None or len(src_ids) != len(dst_ids):
+            raise ValueError("a tier copy without a CPU tier, or with unequal index lists")
+        src_idx = torch.tensor(src_ids, dtype=torch.long)
+        dst_idx = torch.tensor(dst_ids, dtype=torch.long)
+        for s, d in zip(src, dst):
+            copy_blocks(s, d, src_idx, dst_idx)
+
+    def _copy_state(self, to_host: bool, slot: int, entry: int) -> None:
+        """One checkpoint between a state slot and a CPU-tier state entry."""
+        from hkv_kernels.dispatch import copy_blocks
+
+        if self.host is None or self.state is None or self.host.conv is None:
+            raise ValueError("a state copy without a CPU tier or a state pool")
+        if not (0 <= slot < self.state.num_slots and 0 <= entry < self.host.layout.num_states):
+            raise IndexError(f"state copy slot {slot} / entry {entry} out of range")
+        device_side = (self.state.conv, self.state.recurrent)
+        host_side = (self.host.conv, self.host.recurrent)
+        slot_idx, entry_idx = torch.tensor([slot]), torch.tensor([entry])
+        for dev, host in zip(device_side, host_side):
+            if to_host:
+                copy_blocks(dev, host, slot_idx, entry_idx)
+            else:
+                copy_blocks(host, dev, entry_idx, slot_idx)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _reset_fresh_states(self, plan: StepPlan) -> None:
         """A sequence computing from position 0 starts from zero linear state (after the ops)."""

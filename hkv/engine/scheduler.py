@@ -27,8 +27,11 @@ from dataclasses import dataclass, field
 
 from hkv.cache.coordinator import CacheCoordinator
 from hkv.cache.errors import CapacityError
-from hkv.cache.types import CacheOp
-from hkv.ipc.messages import Chunk, GenerateRequest, NewSequence, SamplingParams, StepPlan, StepResult, TokenDelta
+from hkv.cache.types import CacheOp, LoadPages, LoadState
+from hkv.engine.tier_client import TierClient, TierHit
+from hkv.ipc.messages import (
+    Chunk, GenerateRequest, NewSequence, SamplingParams, StepPlan, StepResult, TierFound, TierReserved, TokenDelta,
+)  # fmt: skip
 from hkv.ipc.request_table import RequestTable, SlotPhase
 
 
@@ -55,7 +58,11 @@ class Sequence:
     kv_len: int = 0  # tokens of all_ids whose K/V are computed
     admit_order: int = 0  # larger = admitted later = preempted first
     cached_tokens: int | None = None  # prompt tokens its first admission took from the cache
+    cache_tiers: dict[str, int] | None = None  # those tokens per tier: {"gpu", "cpu", "disk", "peer"}
     table_pages: int = 0  # pages already written to its request-table row
+    keys: list[bytes] = field(default_factory=list)  # chained page keys, computed as tiers need them
+    lookup_pending: bool = False  # a tier lookup is out: it waits (others may pass it)
+    tier: TierHit | None = None  # the tier run its first admission may load, pinned by the worker
 
     @property
     def total_len(self) -> int:
@@ -76,10 +83,12 @@ class Sequence:
 class Scheduler:
     """Owns waiting and running sequences and their request-table rows."""
 
-    def __init__(self, limits: SchedulerLimits, coord: CacheCoordinator, table: RequestTable):
+    def __init__(self, limits: SchedulerLimits, coord: CacheCoordinator, table: RequestTable,
+                 tiers: TierClient | None = None):
         self.limits = limits
         self.coord = coord
         self.table = table
+        self.tiers = tiers  # the CPU/disk tiers' router half; None without --cpu-cache-gb
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # req_id -> sequence, in admission order
         self.free_slots: list[int] = list(range(min(limits.max_running, table.layout.slots)))[::-1]
@@ -95,13 +104,35 @@ class Scheduler:
     # ---- inputs -----------------------------------------------------------------
 
     def add(self, req: GenerateRequest) -> None:
-        self.waiting.append(Sequence(req.req_id, list(req.prompt_ids), req.sampling))
+        seq = Sequence(req.req_id, list(req.prompt_ids), req.sampling)
+        if self.tiers is not None:
+            hit = self.coord.peek(seq.prompt_ids)
+            seq.lookup_pending = self.tiers.lookup(seq.req_id, seq.keys, seq.prompt_ids, hit)
+        self.waiting.append(seq)
+
+    def on_tier_found(self, msg: TierFound) -> None:
+        """A lookup came back: the sequence may be admitted (with the run, if any)."""
+        answer = self.tiers.found(msg)
+        if answer is None:
+            return
+        req_id, hit = answer
+        seq = next((s for s in self.waiting if s.req_id == req_id), None)
+        if seq is None:
+            if hit is not None:
+                self.tiers.release(hit.lookup_id)
+            return
+        seq.lookup_pending, seq.tier = False, hit
+
+    def on_tier_reserved(self, msg: TierReserved) -> None:
+        """CPU entries are reserved for an offload: its copies go into the next plan."""
+        self._ops.extend(self.tiers.reserved(msg))
 
     def abort(self, req_id: int) -> None:
         """Drop a sequence wherever it is; unknown or finished ids are ignored."""
         for seq in self.waiting:
             if seq.req_id == req_id:
                 self.waiting.remove(seq)
+                self._drop_tier(seq)
                 self._finished.append(_delta(seq, [], "abort"))
                 return
         seq = self.running.get(req_id)
@@ -116,6 +147,17 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _drop_tier(self, seq: Sequence) -> None:
+        """Let go of the tier run a waiting sequence will not load."""
+        if self.tiers is None:
+            return
+        if seq.lookup_pending:
+            self.tiers.forget_lookup(seq.req_id)
+            seq.lookup_pending = False
+        if seq.tier is not None:
+            self.tiers.release(seq.tier.lookup_id)
+            seq.tier = None
 
     def take_finished(self) -> list[TokenDelta]:
         out, self._finished = self._finished, []
@@ -140,21 +182,33 @@ class Scheduler:
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= len(chunk.token_ids)
-        while self.waiting and self.free_slots and budget > 0:
-            chunk = self._admit(self.waiting[0], budget)
+        while self.free_slots and budget > 0:
+            seq = self._next_ready()
+            if seq is None:
+                break
+            chunk = self._admit(seq, budget)
             if chunk is None:
                 break
-            seq = self.waiting.popleft()
+            self.waiting.remove(seq)
             new.append(NewSequence(seq.slot, seq.req_id, seq.sampling, seq.state_slot))
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
         if not chunks:
             self._reject_unfittable()
-            return None
+            if not self._ops:
+                return None
+        # a plan with ops and no chunks only copies (tier stores waiting on an idle engine)
         freed, self._freed_slots = self._freed_slots, []
         ops, self._ops = self._ops, []
         self._in_flight = {c.slot: self.by_slot[c.slot] for c in chunks}
-        return StepPlan(step=next(self._step), new=new, chunks=chunks, freed=freed, ops=ops)
+        step = next(self._step)
+        if self.tiers is not None:
+            self.tiers.plan_built(step)
+        return StepPlan(step=step, new=new, chunks=chunks, freed=freed, ops=ops)
+
+    def _next_ready(self) -> Sequence | None:
+        """The first waiting sequence not waiting for its tier lookup."""
+        return next((seq for seq in self.waiting if not seq.lookup_pending), None)
 
     def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
         """Where a chunk starting at `start` ends: budget, the sequence's end, and on a
@@ -199,8 +253,10 @@ class Scheduler:
         txn = self.coord.begin(seq.req_id)
         try:
             hit = txn.match(seq.all_ids())
-            end = self._chunk_end(seq, hit.length, budget)
-            txn.reserve(tokens=end - hit.length, state_slots=1 if self.limits.hybrid else 0)
+            loaded, load_pages = self._extend_from_tier(txn, seq, hit.length)
+            start = hit.length + loaded
+            end = self._chunk_end(seq, start, budget)
+            txn.reserve(tokens=end - start, state_slots=1 if self.limits.hybrid else 0)
             # Leave a page per running sequence so admitting does not force preemption next step.
             if self._spare_pages() < len(self.running):
                 raise CapacityError("gpu_pages", len(self.running), self._spare_pages(), 0)
@@ -212,13 +268,48 @@ class Scheduler:
         seq.state_slot = grant.state_slots[0] if self.limits.hybrid else None
         seq.admit_order = next(self._admit_counter)
         seq.pages = list(grant.pages)
-        seq.kv_len = hit.length
+        seq.kv_len = start
         if seq.cached_tokens is None:
-            seq.cached_tokens = min(hit.length, len(seq.prompt_ids))
+            seq.cached_tokens = min(start, len(seq.prompt_ids))
+            seq.cache_tiers = self._tier_counts(seq, hit.length, loaded)
         self.running[seq.req_id] = seq
         self.by_slot[seq.slot] = seq
         self._ops.extend(grant.ops)
-        return self._chunk(seq, hit.length, end)
+        if loaded:
+            self._ops.extend(self._load_ops(seq, load_pages))
+        if seq.tier is not None:  # loaded or not, the run is not needed after this plan
+            self.tiers.release(seq.tier.lookup_id, after_plan=True)
+            seq.tier = None
+        return self._chunk(seq, start, end)
+
+    def _extend_from_tier(self, txn, seq: Sequence, hit_tokens: int) -> tuple[int, tuple[int, ...]]:
+        """Grow the device hit with the sequence's tier run: (tokens loaded, their fresh pages)."""
+        run = seq.tier
+        if run is None:
+            return 0, ()
+        usable = run.usable(hit_tokens, self.limits.page_size)
+        if usable == 0:
+            return 0, ()
+        tokens = usable * self.limits.page_size
+        return tokens, txn.extend(tokens)
+
+    def _load_ops(self, seq: Sequence, pages: tuple[int, ...]) -> list[CacheOp]:
+        run = seq.tier
+        entries = list(run.entries[len(run.entries) - len(pages) :])
+        ops: list[CacheOp] = [LoadPages(entries, list(pages))]
+        if self.limits.hybrid:
+            ops.append(LoadState(run.state_entry, seq.state_slot))
+        return ops
+
+    def _tier_counts(self, seq: Sequence, hit_tokens: int, loaded: int) -> dict[str, int]:
+        """Cached prompt tokens per tier for usage.cache: the device hit, then the run's CPU and disk pages."""
+        counts = {"gpu": min(hit_tokens, len(seq.prompt_ids)), "cpu": 0, "disk": 0, "peer": 0}
+        if loaded:
+            P = self.limits.page_size
+            used = seq.tier.from_disk[len(seq.tier.entries) - loaded // P :]
+            counts["disk"] = sum(used) * P
+            counts["cpu"] = loaded - counts["disk"]
+        return counts
 
     def _spare_pages(self) -> int:
         return self.coord.pages.free_count + self.coord.tree.evictable_pages
@@ -229,9 +320,13 @@ class Scheduler:
 
     def _reject_unfittable(self) -> None:
         """With nothing running every page is free: a head that still cannot start never will."""
-        if self.running or not self.waiting or not self.free_slots:
+        if self.running or not self.free_slots:
             return
-        seq = self.waiting.popleft()
+        seq = self._next_ready()
+        if seq is None:
+            return
+        self.waiting.remove(seq)
+        self._drop_tier(seq)
         reason = f"request needs more KV pages than the pool's {self.coord.spec.num_pages}"
         self._finished.append(_delta(seq, [], "error", reason))
 
@@ -267,6 +362,8 @@ class Scheduler:
         """Apply a rank's result to the plan it answers; returns deltas to stream."""
         in_flight, self._in_flight = self._in_flight, {}
         deltas = self.take_finished()
+        if self.tiers is not None:
+            self.tiers.step_done(plan.step, result.error is None)
         if result.error is not None:
             for seq in in_flight.values():
                 if seq.req_id in self.running:
@@ -300,10 +397,21 @@ class Scheduler:
         if not self.limits.hybrid:
             if at_page or prefill:
                 self.coord.publish(seq.req_id, seq.all_ids(), end)
+                if prefill:
+                    self._offload(seq)
             return
         if at_page:
             published = self.coord.publish(seq.req_id, seq.all_ids(), end, checkpoint=True)
             self._ops.extend(published.ops)
+            interval = self.limits.checkpoint_interval
+            if end == len(seq.prompt_ids) // ps * ps or (interval and end % interval == 0):
+                self._offload(seq)
+
+    def _offload(self, seq: Sequence) -> None:
+        """Copy the published prefix out to the CPU tier: prompt checkpoints and prefill
+        chunks as they publish, the rest on finish (not every decode page)."""
+        if self.tiers is not None:
+            self.tiers.offload(seq.req_id, seq.keys, seq.all_ids())
 
     def _append_token(self, seq: Sequence, sampled, prefill: bool) -> TokenDelta:
         self._publish(seq, prefill)
@@ -315,7 +423,7 @@ class Scheduler:
         tiers = None
         if reason is not None:
             self._leave(seq, publish=True)
-            tiers = {"gpu": cached, "cpu": 0, "disk": 0, "peer": 0}
+            tiers = _tiers_of(seq)
         return TokenDelta(seq.req_id, [sampled.token_id], lp, top, reason, len(seq.prompt_ids), cached, tiers)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -329,6 +437,8 @@ class Scheduler:
         """Finish or abort: a dense sequence's computed prefix stays cached for later turns."""
         if publish and not self.limits.hybrid and self.coord.spec.prefix_cache and seq.kv_len:
             self.coord.publish(seq.req_id, seq.all_ids(), seq.kv_len)
+        if publish:
+            self._offload(seq)
         self.coord.release(seq.req_id)
         self._free_slot(seq)
         self.running.pop(seq.req_id, None)
@@ -346,7 +456,14 @@ class Scheduler:
         self.running.pop(seq.req_id, None)
 
 
+def _tiers_of(seq: Sequence) -> dict[str, int]:
+    """usage.cache: cached prompt tokens per tier (all from the device unless a tier run was loaded)."""
+    if seq.cache_tiers is not None:
+        return seq.cache_tiers
+    return {"gpu": seq.cached_tokens or 0, "cpu": 0, "disk": 0, "peer": 0}
+
+
 def _delta(seq: Sequence, tokens: list[int], reason: str | None, error: str | None = None) -> TokenDelta:
     cached = seq.cached_tokens or 0
-    tiers = {"gpu": cached, "cpu": 0, "disk": 0, "peer": 0} if reason is not None else None
+    tiers = _tiers_of(seq) if reason is not None else None
     return TokenDelta(seq.req_id, tokens, None, None, reason, len(seq.prompt_ids), cached, tiers, error)

@@ -6,6 +6,8 @@ beyond these Structs, and nothing here uses pickle.
 
     api ---Inbound---> router ---StepPlan---> rank 0..N-1
     api <--Outbound--- router <--StepResult-- rank 0
+                       router ---TierInbound---> cache worker
+                       router <--TierOutbound--- cache worker   (same inbox as the api's messages)
 """
 
 from __future__ import annotations
@@ -96,9 +98,101 @@ class CacheFlushed(msgspec.Struct, frozen=True, tag="flushed"):
     flush_id: int
     pages: int  # device KV pages freed
     checkpoints: int  # state checkpoints freed
+    cpu_pages: int = 0  # CPU-tier page entries freed
+    disk_files: int = 0  # disk-tier files deleted
 
 
 Outbound = TokenBatch | EngineState | CacheFlushed
+
+
+# ---- router -> cache worker ------------------------------------------------------
+
+
+class TierLookup(msgspec.Struct, frozen=True, tag="tier_lookup"):
+    """Find the longest run of a prompt's pages held by the CPU or disk tier.
+
+    keys[i] is the chained key of the prompt's page `first + i` (pages wholly
+    inside prompt[:-1]). The worker prefetches disk entries into the CPU tier,
+    pins the run's entries and answers TierFound; the router releases the pins
+    with TierRelease once the loads ran (or when it does not use them).
+    """
+
+    lookup_id: int
+    first: int  # page index of keys[0] (pages before it are on the device)
+    keys: list[bytes]  # 16-byte page keys, in sequence order
+    need_state: bool  # hybrid: the run must end at a page that carries a checkpoint
+
+
+class TierRelease(msgspec.Struct, frozen=True, tag="tier_release"):
+    """Unpin a lookup's entries (its loads ran, or it was not used)."""
+
+    lookup_id: int
+
+
+class TierReserve(msgspec.Struct, frozen=True, tag="tier_reserve"):
+    """Reserve CPU-tier entries for a published prefix the router is about to copy out.
+
+    keys cover pages [0, len(keys)) of one sequence; the worker skips keys it
+    holds already and answers TierReserved. `state`: a checkpoint for the last
+    page comes too (hybrid).
+    """
+
+    offload_id: int
+    keys: list[bytes]
+    state: bool
+
+
+class TierCommit(msgspec.Struct, frozen=True, tag="tier_commit"):
+    """The copies of an offload ran (ok) or failed: make its entries valid, or free them."""
+
+    offload_id: int
+    ok: bool
+
+
+class TierFlush(msgspec.Struct, frozen=True, tag="tier_flush"):
+    """Drop every unpinned CPU-tier entry and every disk-tier file; answered by TierFlushed."""
+
+    flush_id: int
+
+
+TierInbound = TierLookup | TierRelease | TierReserve | TierCommit | TierFlush
+
+
+# ---- cache worker -> router ------------------------------------------------------
+
+
+class TierFound(msgspec.Struct, frozen=True, tag="tier_found"):
+    """The answer to TierLookup: entries of pages [first, first + len(entries)), pinned.
+
+    Empty when nothing usable was found (nothing is pinned then).
+    """
+
+    lookup_id: int
+    first: int
+    entries: list[int]  # CPU-tier page entries, in sequence order
+    from_disk: list[bool]  # per entry: read from the disk tier for this lookup
+    state_entry: int | None  # the checkpoint after the run's last page (hybrid), pinned
+
+
+class TierReserved(msgspec.Struct, frozen=True, tag="tier_reserved"):
+    """The answer to TierReserve: where to copy each page (None: held already, or no room)."""
+
+    offload_id: int
+    entries: list[int | None]  # one per key
+    state_entry: int | None  # where to copy the last page's checkpoint, if asked and granted
+
+
+class TierFlushed(msgspec.Struct, frozen=True, tag="tier_flushed"):
+    flush_id: int
+    pages: int  # CPU-tier page entries freed
+    states: int  # CPU-tier checkpoints freed
+    files: int  # disk-tier files deleted
+
+
+TierOutbound = TierFound | TierReserved | TierFlushed
+
+# Everything the router's inbox takes: the api's requests and the cache worker's answers.
+RouterInbound = Inbound | TierOutbound
 
 
 # ---- router -> rank ------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 REGION = "router_stats"
-VERSION = 1
+VERSION = 2
 
 FIELDS = (
     "steps",  # steps run
@@ -34,7 +34,11 @@ FIELDS = (
     "radix_nodes",  # gauge
     "radix_checkpoints",  # gauge: nodes carrying a checkpoint
     "radix_evictable_pages",  # gauge: cached pages no request locks
-    "requests_cached_tokens",  # counter: prompt tokens served from the device cache
+    "requests_cached_tokens",  # counter: prompt tokens served from the cache, all tiers
+    "cached_tokens_gpu",  # counter: ... of them from device pages
+    "cached_tokens_cpu",  # counter: ... loaded from the CPU tier
+    "cached_tokens_disk",  # counter: ... read from the disk tier
+    "tier_offloads_skipped",  # counter: published prefixes not copied out (too many in flight)
     "flushes",  # counter: /cache/flush calls
     "page_size",  # constant: tokens per KV page
 )

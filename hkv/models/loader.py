@@ -182,3 +182,34 @@ def load_model(path: str | Path, dtype: str, device: str) -> LoadedModel:
         eos_token_ids=checkpoint_eos_ids(folder),
         weights_digest=weights_digest([s.path for s in shards]),
     )
+
+
+def meta_model(path: str | Path) -> torch.nn.Module:
+    """The checkpoint's model family built on the meta device: layouts without weights or memory."""
+    hf_config = read_hf_config(Path(path))
+    family = resolve_family(hf_config)
+    with torch.device("meta"):
+        return family(family.config_class.from_hf(hf_config))
+
+
+def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, device: str):
+    """The ModelFingerprint that roots every CPU/disk tier key (hkv/cache/keys.py).
+
+    architecture: model_type + sha256 of config.json's canonical JSON; weights:
+    `weights_digest` of the shard files; tokenizer: sha256 over tokenizer.json
+    and tokenizer_config.json (those present).
+    """
+    from hkv.cache.keys import ModelFingerprint
+
+    folder = Path(path)
+    hf_config = read_hf_config(folder)
+    canonical = json.dumps(hf_config, sort_keys=True, separators=(",", ":")).encode()
+    architecture = f"{hf_config.get('model_type')}:{hashlib.sha256(canonical).hexdigest()}"
+    tokenizer = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        file = folder / name
+        if file.is_file():
+            tokenizer.update(name.encode() + b"\0" + file.read_bytes())
+    weights = weights_digest([s.path for s in find_weight_shards(folder)])
+    # the device is part of the layout: CPU and GPU kernels round differently
+    return ModelFingerprint(architecture, weights, dtype, page_size, f"tp{tp}:{device}", tokenizer.hexdigest())

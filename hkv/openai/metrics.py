@@ -59,6 +59,11 @@ class _EngineStatsCollector:
             for state, value in (("free", free), ("cached", cached), ("in_use", total - free - cached)):
                 pools.add_metric([pool, state], value)
         yield pools
+        hits = CounterMetricFamily("hkv_cache_hit_tokens", "Prompt tokens served from the cache, by tier",
+                                   labels=["tier"])
+        for tier in ("gpu", "cpu", "disk"):
+            hits.add_metric([tier], values[f"cached_tokens_{tier}"])
+        yield hits
         for name, doc, key in (("hkv_radix_nodes", "Radix tree nodes", "radix_nodes"),
                                ("hkv_radix_checkpoints", "Radix nodes carrying a state checkpoint", "radix_checkpoints"),
                                ("hkv_engine_live_waiting", "Sequences waiting at the router", "waiting"),
@@ -66,11 +71,51 @@ class _EngineStatsCollector:
             yield GaugeMetricFamily(name, doc, value=values[key])
 
 
+class _TierStatsCollector:
+    """The cache worker's CPU and disk tier figures (its stats block), read at scrape time."""
+
+    def __init__(self, read: Callable[[], dict | None]):
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        doc = self._read()
+        if doc is None or not isinstance(doc.get("cpu"), dict):
+            return
+        cpu, disk = doc["cpu"], doc.get("disk")
+        pools = GaugeMetricFamily("hkv_tier_pool", "CPU tier entries by kind and state", labels=["pool", "state"])
+        for pool in ("pages", "states"):
+            for state in ("free", "cached", "in_use"):
+                pools.add_metric([f"cpu_{pool}", state], cpu[pool][state])
+        yield pools
+        hits = CounterMetricFamily("hkv_tier_hit_pages", "Pages lookups found, by tier", labels=["tier"])
+        hits.add_metric(["cpu"], cpu["hit_pages"])
+        if isinstance(disk, dict):
+            hits.add_metric(["disk"], disk["hit_pages"])
+        yield hits
+        for name, doc_text, value in (
+            ("hkv_tier_stores", "Pages copied from the device into the CPU tier", cpu["stores"]),
+            ("hkv_tier_evicted_pages", "CPU tier pages evicted", cpu["evicted_pages"]),
+        ):
+            yield CounterMetricFamily(name, doc_text, value=value)
+        if not isinstance(disk, dict):
+            return
+        yield GaugeMetricFamily("hkv_tier_disk_files", "Entries in the disk tier", value=disk["files"])
+        yield GaugeMetricFamily("hkv_tier_disk_bytes", "Bytes in the disk tier", value=disk["bytes"])
+        for name, doc_text, key in (
+            ("hkv_tier_disk_writes", "Disk tier entries written", "writes"),
+            ("hkv_tier_disk_write_errors", "Disk tier writes that failed", "write_errors"),
+            ("hkv_tier_disk_corrupt", "Disk tier files found corrupt or foreign and deleted", "corrupt"),
+            ("hkv_tier_disk_evictions", "Disk tier files evicted for the budget", "evictions"),
+        ):
+            yield CounterMetricFamily(name, doc_text, value=disk[key])
+
+
 class ApiMetrics:
     def __init__(
         self,
         malformed_sources: dict[str, Callable[[], int]],
         engine_stats: Callable[[], dict[str, float] | None] = lambda: None,
+        tier_stats: Callable[[], dict | None] = lambda: None,
     ):
         self.registry = CollectorRegistry()
         r = self.registry
@@ -92,6 +137,7 @@ class ApiMetrics:
         self.engine_running = Gauge("hkv_engine_running_requests", "Requests holding KV pages", registry=r)
         r.register(_MalformedCollector(malformed_sources))
         r.register(_EngineStatsCollector(engine_stats))
+        r.register(_TierStatsCollector(tier_stats))
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

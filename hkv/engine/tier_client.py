@@ -1,0 +1,191 @@
+"""The router's half of the CPU and disk tiers: lookups, offloads, and the copy ops they put in plans.
+
+Pure logic, no sockets: messages for the cache worker collect in `outbox`
+(the router sends them), answers come in through `found`/`reserved`, and
+what must happen once a plan's copies ran is attached to that plan's step.
+
+    arrival   lookup(keys past the device hit) ---------> worker pins the run (prefetching disk)
+    admission match + extend(tier run) -> LoadPages/LoadState ops;  after the step: TierRelease
+    publish   hold(prefix) -> TierReserve ----------------> worker reserves entries
+              TierReserved -> StorePages/StoreState ops;  after the step: TierCommit(ok) + unhold
+
+A page in flight is reserved at both ends (the coordinator's hold on the
+device side, the worker's reservation or pin on the CPU side); a failed
+step commits ok=False, which frees the CPU side, and the hold goes either way.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+from hkv.cache.coordinator import CacheCoordinator, Hold
+from hkv.cache.keys import page_keys
+from hkv.cache.types import CacheOp, StorePages, StoreState
+from hkv.ipc.messages import (
+    TierCommit, TierFound, TierInbound, TierLookup, TierRelease, TierReserve, TierReserved,
+)  # fmt: skip
+
+MAX_OFFLOADS = 64  # offloads waiting for the worker or their step; beyond it a publish is not copied out
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """A lookup's answer, pinned by the worker until released: entries of pages [first, first + len(entries))."""
+
+    lookup_id: int
+    first: int
+    entries: tuple[int, ...]
+    from_disk: tuple[bool, ...]
+    state_entry: int | None
+
+    def usable(self, hit_tokens: int, page_size: int) -> int:
+        """Entries past a device hit of `hit_tokens` that the run can serve (0: none).
+
+            pages   [0 ...... hit/P) [hit/P ............ first + len)
+            device   the hit          this tier's run serves these
+        """
+        start = hit_tokens // page_size - self.first
+        return len(self.entries) - start if 0 <= start < len(self.entries) else 0
+
+
+@dataclass
+class Offload:
+    hold: Hold
+    pages: tuple[int, ...]  # device pages of the held prefix, in order
+
+
+class TierClient:
+    """Lookups and offloads for one router; every outgoing message lands in `outbox`."""
+
+    def __init__(self, coord: CacheCoordinator, root_key: bytes, page_size: int, hybrid: bool):
+        self.coord = coord
+        self.root_key = root_key
+        self.page_size = page_size
+        self.hybrid = hybrid
+        self.outbox: list[TierInbound] = []
+        self.waiting_lookups: dict[int, int | None] = {}  # lookup id -> req id (None: it left), until TierFound
+        self.offloads: dict[int, Offload] = {}  # offload id -> its hold, until TierReserved
+        self.skipped_offloads = 0  # publishes not copied out (too many in flight)
+        self._ids = itertools.count(1)
+        self._next_plan: list[Callable[[bool], None]] = []  # run once the next plan's ops ran
+        self._by_step: dict[int, list[Callable[[bool], None]]] = {}
+
+    # ---- keys ---------------------------------------------------------------------------
+
+    def keys(self, known: list[bytes], token_ids: list[int], pages: int) -> list[bytes]:
+        """Chained keys of pages [0, pages), extending the cached list `known` in place."""
+        if len(known) < pages:
+            P = self.page_size
+            parent = known[-1] if known else self.root_key
+            known += page_keys(parent, token_ids[len(known) * P : pages * P], P)
+        return known[:pages]
+
+    # ---- lookups ----------------------------------------------------------------------------
+
+    def lookup(self, req_id: int, known: list[bytes], prompt_ids: list[int], device_hit: int) -> bool:
+        """Ask for the run past the device hit; False when the prompt has no page left to look up."""
+        P = self.page_size
+        pages = (len(prompt_ids) - 1) // P  # a hit leaves at least one prompt token to compute
+        first = device_hit // P
+        if pages <= first:
+            return False
+        keys = self.keys(known, prompt_ids, pages)
+        lookup_id = next(self._ids)
+        self.waiting_lookups[lookup_id] = req_id
+        self.outbox.append(TierLookup(lookup_id, first, keys[first:], self.hybrid))
+        return True
+
+    def found(self, msg: TierFound) -> tuple[int, TierHit | None] | None:
+        """(req id, hit or None when empty) for a lookup still wanted; None for an unknown id."""
+        if msg.lookup_id not in self.waiting_lookups:
+            return None
+        req_id = self.waiting_lookups.pop(msg.lookup_id)
+        if req_id is None:  # the request left meanwhile
+            if msg.entries:
+                self.release(msg.lookup_id)
+            return None
+        if not msg.entries or len(msg.from_disk) != len(msg.entries) or (self.hybrid and msg.state_entry is None):
+            if msg.entries:
+                self.release(msg.lookup_id)
+            return req_id, None
+        hit = TierHit(msg.lookup_id, msg.first, tuple(msg.entries), tuple(msg.from_disk), msg.state_entry)
+        return req_id, hit
+
+    def release(self, lookup_id: int, after_plan: bool = False) -> None:
+        """Unpin a lookup's entries now, or once the next plan (which loads them) ran."""
+        if after_plan:
+            self._next_plan.append(lambda ok: self.outbox.append(TierRelease(lookup_id)))
+        else:
+            self.outbox.append(TierRelease(lookup_id))
+
+    def forget_lookup(self, req_id: int) -> None:
+        """The request left before its lookup was answered: release the answer when it comes."""
+        for lookup_id, waiting in list(self.waiting_lookups.items()):
+            if waiting == req_id:
+                self.waiting_lookups[lookup_id] = None
+
+    # ---- offloads -----------------------------------------------------------------------------
+
+    def offload(self, req_id: int, known: list[bytes], token_ids: list[int]) -> bool:
+        """Copy the request's published prefix out to the CPU tier (hybrid: it must end at a checkpoint)."""
+        if len(self.offloads) >= MAX_OFFLOADS:
+            self.skipped_offloads += 1
+            return False
+        hold = self.coord.hold(req_id)
+        if hold is None:
+            return False
+        if self.hybrid and hold.checkpoint is None:
+            self.coord.unhold(hold)
+            return False
+        keys = self.keys(known, token_ids, hold.length // self.page_size)
+        offload_id = next(self._ids)
+        self.offloads[offload_id] = Offload(hold, hold.pages)
+        self.outbox.append(TierReserve(offload_id, keys, hold.checkpoint is not None))
+        return True
+
+    def reserved(self, msg: TierReserved) -> list[CacheOp]:
+        """The copy ops for a reservation (for the next plan); the commit and unhold follow that plan."""
+        offload = self.offloads.pop(msg.offload_id, None)
+        if offload is None:
+            return []
+        pairs = [(page, entry) for page, entry in zip(offload.pages, msg.entries) if entry is not None]
+        ops: list[CacheOp] = []
+        if len(msg.entries) == len(offload.pages) and pairs:
+            ops.append(StorePages([p for p, _ in pairs], [e for _, e in pairs]))
+        ckpt = offload.hold.checkpoint
+        if msg.state_entry is not None and ckpt is not None and len(msg.entries) == len(offload.pages):
+            ops.append(StoreState(ckpt.slot, msg.state_entry))
+        hold = offload.hold
+        if not ops:
+            self.coord.unhold(hold)
+            if msg.state_entry is not None or any(e is not None for e in msg.entries):
+                self.outbox.append(TierCommit(msg.offload_id, False))
+            return []
+
+        def done(ok: bool) -> None:
+            self.outbox.append(TierCommit(msg.offload_id, ok))
+            self.coord.unhold(hold)
+
+        self._next_plan.append(done)
+        return ops
+
+    # ---- plans ----------------------------------------------------------------------------------
+
+    def has_pending(self) -> bool:
+        """Actions wait for a plan to carry their ops."""
+        return bool(self._next_plan)
+
+    def plan_built(self, step: int) -> None:
+        """The plan `step` carries the ops queued so far; their follow-ups run after its result."""
+        if self._next_plan:
+            self._by_step[step], self._next_plan = self._next_plan, []
+
+    def step_done(self, step: int, ok: bool) -> None:
+        for action in self._by_step.pop(step, ()):
+            action(ok)
+
+    def take_outbox(self) -> list[TierInbound]:
+        out, self.outbox = self.outbox, []
+        return out

@@ -1,0 +1,174 @@
+"""The CPU tier's page pool: page and checkpoint entries in one shared-memory buffer.
+
+The cache worker decides which entry holds what; ranks copy contents between
+their device pools and these entries; the worker reads and writes whole
+entries for the disk tier. An entry is contiguous, so it is also one disk
+payload:
+
+    buffer  [ page entry 0 | page entry 1 | ... | page entry N-1 | state entry 0 | ... | state entry S-1 ]
+    page    [2 (K, V), kv_layers, page_size, kv_heads, head_dim]       model dtype
+    state   [conv: lin_layers, conv_dim, kernel-1][recurrent: lin_layers, v_heads, k_dim, v_dim]   fp32
+
+`HostPool` gives torch views in the device pools' axis order (layer first),
+so one `copy_blocks` call per tensor moves any list of pages or slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hkv.storage.kv_pool import KVLayout
+from hkv.storage.state_pool import StateLayout
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIGN = 4096  # the state area starts on a page boundary, so each part can be pinned and viewed aligned
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """Shapes of the CPU tier's entries; two pools (or a disk file) with equal `descriptor` interchange entries."""
+
+    num_pages: int  # page entries
+    num_states: int  # checkpoint entries (0 for dense models)
+    kv_layers: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    lin_layers: int = 0
+    conv_dim: int = 0
+    conv_width: int = 0  # kernel_size - 1 columns of conv state
+    v_heads: int = 0
+    k_dim: int = 0
+    v_dim: int = 0
+
+    @classmethod
+    def for_model(cls, kv: KVLayout, state: StateLayout | None, budget_bytes: int, states_per_page: float) -> "HostLayout":
+        """Split `budget_bytes` into page and state entries: `states_per_page` checkpoints per page entry."""
+        fields = dict(kv_layers=kv.num_layers, page_size=kv.page_size, kv_heads=kv.kv_heads,
+                      head_dim=kv.head_dim, kv_dtype=kv.dtype)
+        if state is not None:
+            if state.dtype != "float32":
+                raise ValueError(f"the CPU tier stores fp32 states, the state pool is {state.dtype}")
+            fields.update(lin_layers=state.lin_layers, conv_dim=state.conv_dim, conv_width=state.kernel_size - 1,
+                          v_heads=state.v_heads, k_dim=state.k_dim, v_dim=state.v_dim)
+        probe = cls(num_pages=1, num_states=1 if state is not None else 0, **fields)
+        share = states_per_page if state is not None else 0.0
+        pages = int(max(0, budget_bytes - _ALIGN) // (probe.page_bytes + share * probe.state_bytes))
+        states = max(1, math.floor(pages * share)) if state is not None and pages else 0
+        return cls(num_pages=pages, num_states=states, **fields)
+
+    @property
+    def kv_shape(self) -> tuple[int, ...]:
+        """One page entry: [2, kv_layers, page_size, kv_heads, head_dim]."""
+        return (2, self.kv_layers, self.page_size, self.kv_heads, self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        return math.prod(self.kv_shape) * _DTYPES[self.kv_dtype].itemsize
+
+    @property
+    def conv_numel(self) -> int:
+        return self.lin_layers * self.conv_dim * self.conv_width
+
+    @property
+    def recurrent_numel(self) -> int:
+        return self.lin_layers * self.v_heads * self.k_dim * self.v_dim
+
+    @property
+    def state_bytes(self) -> int:
+        return (self.conv_numel + self.recurrent_numel) * 4
+
+    @property
+    def state_offset(self) -> int:
+        return -(-self.num_pages * self.page_bytes // _ALIGN) * _ALIGN
+
+    @property
+    def nbytes(self) -> int:
+        return self.state_offset + self.num_states * self.state_bytes
+
+    @property
+    def descriptor(self) -> str:
+        """What one entry holds, independent of the entry counts (disk headers and attach checks)."""
+        kv = "x".join(map(str, self.kv_shape))
+        text = f"kv:{kv}:{self.kv_dtype}"
+        if self.lin_layers:
+            text += (f"|state:conv{self.lin_layers}x{self.conv_dim}x{self.conv_width}"
+                     f"+rec{self.lin_layers}x{self.v_heads}x{self.k_dim}x{self.v_dim}:float32")
+        return text
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class HostPool:
+    """Torch views over a HostLayout buffer (an shm payload, or any writable buffer in tests).
+
+        k, v      [kv_layers, num_pages, page_size, kv_heads, head_dim]   (views; entry-major in memory)
+        conv      [lin_layers, num_states, conv_dim, conv_width]
+        recurrent [lin_layers, num_states, v_heads, k_dim, v_dim]
+    """
+
+    def __init__(self, layout: HostLayout, buffer: memoryview):
+        if len(buffer) < layout.nbytes:
+            raise ValueError(f"host pool buffer has {len(buffer)} bytes, the layout needs {layout.nbytes}")
+        self.layout: HostLayout = layout
+        self.buffer: memoryview = buffer
+        lay = layout
+        dtype = _DTYPES[lay.kv_dtype]
+        self.pages: torch.Tensor | None = None  # [num_pages, 2, L, P, H, D]
+        self.k = self.v = self.conv = self.recurrent = None
+        if lay.num_pages:
+            flat = torch.frombuffer(buffer, dtype=dtype, count=lay.num_pages * lay.page_bytes // dtype.itemsize)
+            self.pages = flat.view(lay.num_pages, *lay.kv_shape)
+            self.k = self.pages[:, 0].transpose(0, 1)  # [L, N, P, H, D]
+            self.v = self.pages[:, 1].transpose(0, 1)
+        if lay.num_states:
+            states = torch.frombuffer(buffer, dtype=torch.float32, offset=lay.state_offset,
+                                      count=lay.num_states * lay.state_bytes // 4).view(lay.num_states, -1)
+            conv = states[:, : lay.conv_numel].view(lay.num_states, lay.lin_layers, lay.conv_dim, lay.conv_width)
+            rec = states[:, lay.conv_numel:].view(lay.num_states, lay.lin_layers, lay.v_heads, lay.k_dim, lay.v_dim)
+            self.conv = conv.transpose(0, 1)  # [lin, S, conv_dim, width]
+            self.recurrent = rec.transpose(0, 1)  # [lin, S, v_heads, k_dim, v_dim]
+
+    def page_view(self, entry: int) -> memoryview:
+        """The bytes of page entry `entry` (its disk payload)."""
+        lay = self.layout
+        if not 0 <= entry < lay.num_pages:
+            raise IndexError(f"page entry {entry} out of range [0, {lay.num_pages})")
+        start = entry * lay.page_bytes
+        return self.buffer[start : start + lay.page_bytes]
+
+    def state_view(self, entry: int) -> memoryview:
+        """The bytes of state entry `entry`."""
+        lay = self.layout
+        if not 0 <= entry < lay.num_states:
+            raise IndexError(f"state entry {entry} out of range [0, {lay.num_states})")
+        start = lay.state_offset + entry * lay.state_bytes
+        return self.buffer[start : start + lay.state_bytes]
+
+    def release(self) -> None:
+        """Drop every view so the shm mapping can close."""
+        self.pages = self.k = self.v = self.conv = self.recurrent = None
+        self.buffer = None
+
+
+def tier_layout(cfg) -> tuple[HostLayout, bytes]:
+    """The CPU tier's layout for an HkvConfig and the fingerprint root key of its entries.
+
+    About two checkpoints per checkpoint interval's worth of pages (the
+    interval boundary and a prompt end or finish): each hit needs one.
+    """
+    from hkv.models.loader import cache_fingerprint, meta_model
+
+    c = cfg.cache
+    model = meta_model(cfg.model.path)
+    kv = model.kv_layout(1, c.page_size, cfg.model.dtype, "cpu")
+    state = model.state_layout(1, device="cpu", dtype="float32") if c.hybrid else None
+    share = min(1.0, 2 * c.page_size / c.checkpoint_interval) if c.hybrid else 0.0
+    layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), share)
+    fingerprint = cache_fingerprint(cfg.model.path, cfg.model.dtype, c.page_size, cfg.model.tp, cfg.model.device)
+    return layout, fingerprint.root_key()
