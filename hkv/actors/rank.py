@@ -62,7 +62,7 @@ def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
         import torch
 
         base = torch.frombuffer(region.payload, dtype=torch.uint8)
-        err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), layout.nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), layout.nbytes, 3)  # portable | mapped
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of the CPU tier failed ({err})")
     log.info("CPU tier attached: %d pages, %d checkpoints", layout.num_pages, layout.num_states)

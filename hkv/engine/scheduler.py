@@ -319,8 +319,9 @@ class Scheduler:
         return Chunk(seq.slot, seq.token_slice(start, end), start, end == seq.total_len)
 
     def _reject_unfittable(self) -> None:
-        """With nothing running every page is free: a head that still cannot start never will."""
-        if self.running or not self.free_slots:
+        """With nothing running or held for a tier copy, every page is free (or evictable):
+        a head that still cannot start never will."""
+        if self.running or not self.free_slots or self.coord.holds:
             return
         seq = self._next_ready()
         if seq is None:

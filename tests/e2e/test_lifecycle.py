@@ -107,6 +107,11 @@ def test_kill_9_of_the_launcher_takes_the_actors_down(tmp_path):
         (["--max-total-tokens", "100", "--page-size", "16"], "multiple of --page-size"),
         (["--model", "/nonexistent/folder"], "--model /nonexistent/folder"),
         (["--dtype", "int3"], "--dtype"),
+        (["--cpu-cache-gb", "1", "--no-prefix-cache"], "--cpu-cache-gb needs the prefix cache"),
+        (["--disk-cache-dir", "/tmp/hkv-unused"], "--disk-cache-dir needs --cpu-cache-gb > 0"),
+        (["--disk-cache-gb", "2"], "--disk-cache-gb needs --disk-cache-dir"),
+        (["--cpu-cache-gb", "1", "--disk-cache-dir", "/etc/hostname"], "exists and is not a directory"),
+        (["--cpu-cache-gb", "0.000001"], "holds no page"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(args, fragment):

@@ -14,6 +14,7 @@ One disk directory `D` lives through the module, in order:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -229,3 +230,23 @@ def _complete_all_in_thread(url: str, bodies: list[dict]):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
+
+
+def test_6_flush_empties_every_tier(tmp_path):
+    disk_dir = tmp_path / "flush"
+    server, pids = _serve([*FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
+    try:
+        _complete(server.url, _body(PROMPT_A, 2))
+        before = _settled_inspect(server.name, lambda r: r["tiers"]["disk"]["files"] >= 37)
+        req = urllib.request.Request(f"{server.url}/cache/flush", b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            flushed = json.loads(resp.read())
+        after = _settled_inspect(server.name, lambda r: r["pools"]["cpu_pages"]["cached"] == 0)
+    finally:
+        _stop(server, pids)
+    assert before["pools"]["cpu_pages"]["cached"] >= 37
+    assert flushed["cpu_pages"] == before["pools"]["cpu_pages"]["cached"]
+    assert flushed["disk_files"] == before["tiers"]["disk"]["files"]
+    for pool in ("gpu_pages", "state_slots", "cpu_pages", "cpu_states"):
+        assert after["pools"][pool]["in_use"] == 0 and after["pools"][pool]["cached"] == 0, (pool, after["pools"])
+    assert after["tiers"]["disk"]["files"] == 0 and not list(disk_dir.rglob("*.hkvp"))
