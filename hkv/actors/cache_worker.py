@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq.asyncio
 
@@ -59,7 +59,6 @@ class Counters:
     writes_queued: int = 0
     writes_skipped: int = 0  # the write queue was full
     malformed: int = 0  # messages that broke the contract (bad key sizes, unknown ids)
-    extra: dict = field(default_factory=dict)
 
 
 class CacheWorker:
@@ -150,7 +149,7 @@ class CacheWorker:
         self.lookup_pins[msg.lookup_id] = entries
         self.counters.hit_pages_cpu += sum(1 for d in from_disk if not d)
         self.counters.hit_pages_disk += sum(from_disk)
-        state = entries[-1].state if msg.need_state else None
+        state = entries[-1].checkpoint if msg.need_state else None
         return TierFound(msg.lookup_id, msg.first, [e.page for e in entries], from_disk, state)
 
     def _plan_run(self, keys: list[bytes], need_state: bool) -> list[tuple[bytes, Entry | None]]:
@@ -160,7 +159,7 @@ class CacheWorker:
         for key in keys:
             entry = self.cpu.get(key)
             if entry is not None:
-                has_state = entry.state is not None
+                has_state = entry.checkpoint is not None
             elif key not in self.cpu.entries and self.disk is not None and self.disk.contains(key):
                 has_state = self.disk.has_state(key)
             else:
@@ -205,7 +204,7 @@ class CacheWorker:
     def _cut_to_state(self, entries: list[Entry], from_disk: list[bool]):
         """A hybrid run must end at a checkpoint: cut back to the deepest entry with a state."""
         keep = len(entries)
-        while keep and entries[keep - 1].state is None:
+        while keep and entries[keep - 1].checkpoint is None:
             keep -= 1
         self._unpin_all(entries[keep:])
         return entries[:keep], from_disk[:keep]
@@ -287,6 +286,7 @@ class CacheWorker:
             self._unpin_all([entry])
         if offload.state_of is not None:
             if ok:
+                self.cpu.fill_state(offload.state_of)
                 self.cpu.counters.state_stores += 1
                 self._queue_write(offload.state_of)
             else:
@@ -296,7 +296,7 @@ class CacheWorker:
     def _queue_write(self, entry: Entry) -> None:
         if self.disk is None:
             return
-        if self.disk.contains(entry.key) and (entry.state is None or self.disk.has_state(entry.key)):
+        if self.disk.contains(entry.key) and (entry.checkpoint is None or self.disk.has_state(entry.key)):
             return  # the disk has it (a prefetched entry, or written before)
         if self.writes.full():
             self.counters.writes_skipped += 1
@@ -316,7 +316,8 @@ class CacheWorker:
                 writers.create_task(writer())
 
     async def _write(self, entry: Entry) -> None:
-        state = self.host.state_view(entry.state) if entry.state is not None else None
+        # a state still being stored (reserved after this write was queued) is not written
+        state = self.host.state_view(entry.checkpoint) if entry.checkpoint is not None else None
         try:
             await asyncio.to_thread(self.disk.write, entry.key, self.host.page_view(entry.page), state)
         finally:

@@ -21,20 +21,26 @@ entries are evicted separately (LRU), as they are the scarce resource.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class Entry:
     """One cached page (and maybe its checkpoint) in the CPU tier."""
 
-    __slots__ = ("key", "page", "state", "pins", "valid")
+    __slots__ = ("key", "page", "state", "state_valid", "pins", "valid")
 
     def __init__(self, key: bytes, page: int):
         self.key: bytes = key
         self.page: int = page  # page entry index in the host pool
         self.state: int | None = None  # state entry index: the checkpoint after this page
+        self.state_valid: bool = False  # the state entry's contents are present (not just reserved)
         self.pins: int = 0  # loads in flight, disk writes, reservations
         self.valid: bool = False  # contents present
+
+    @property
+    def checkpoint(self) -> int | None:
+        """The state entry when its contents are present, else None (a lookup may use only these)."""
+        return self.state if self.state_valid else None
 
 
 @dataclass
@@ -46,7 +52,6 @@ class TierCounters:
     evicted_pages: int = 0
     evicted_states: int = 0
     rolled_back: int = 0  # reservations undone (the copy failed)
-    extra: dict = field(default_factory=dict)
 
 
 class CpuTier:
@@ -151,8 +156,16 @@ class CpuTier:
         return entry.state
 
     def fill(self, entry: Entry) -> None:
-        """The reserved entry's contents arrived: it is valid (still pinned by its reservation)."""
+        """The reserved entry's contents (and its state's, if it has one) arrived: it is valid
+        (still pinned by its reservation)."""
         entry.valid = True
+        entry.state_valid = entry.state is not None
+
+    def fill_state(self, entry: Entry) -> None:
+        """The state entry reserved for a valid page arrived."""
+        if entry.state is None:
+            raise ValueError(f"entry {entry.key.hex()} has no state entry to fill")
+        entry.state_valid = True
 
     def drop(self, entry: Entry) -> None:
         """Forget a reserved entry whose contents never arrived (or a bad one); frees its ids."""
@@ -163,14 +176,14 @@ class CpuTier:
         self._free_pages.append(entry.page)
         if entry.state is not None:
             self._free_states.append(entry.state)
-        entry.state, entry.valid = None, False
+        entry.state, entry.state_valid, entry.valid = None, False, False
 
     def drop_state(self, entry: Entry) -> None:
         """Forget a state entry whose contents never arrived; the page stays."""
         if entry.state is not None:
             self._state_lru.pop(entry.key, None)
             self._free_states.append(entry.state)
-            entry.state = None
+            entry.state, entry.state_valid = None, False
 
     def _evict_page(self) -> bool:
         if not self._page_lru:
@@ -191,7 +204,7 @@ class CpuTier:
         key, _ = self._state_lru.popitem(last=False)
         entry = self.entries[key]
         self._free_states.append(entry.state)
-        entry.state = None
+        entry.state, entry.state_valid = None, False
         self.counters.evicted_states += 1
         return True
 
