@@ -385,11 +385,6 @@ def pool_layout(instance: str) -> tuple[HostLayout, bytes]:
     return HostLayout(**layout_doc), fingerprint
 
 
-def tier_fingerprint(instance: str) -> bytes:
-    """The root key every tier key chains from (the router computes keys with it)."""
-    return pool_layout(instance)[1]
-
-
 def attach_pool(instance: str) -> tuple[ShmRegion, HostLayout, bytes]:
     """Map the CPU tier's page pool; returns (region, layout, fingerprint root key)."""
     layout, fingerprint = pool_layout(instance)

@@ -82,7 +82,7 @@ class Router:
         table: request_table.RequestTable,
         router_stats: stats.RouterStats,
         radix_block: memoryview,
-        tier_root: bytes | None = None,
+        tier_layout: tuple | None = None,  # (HostLayout, fingerprint root key) with --cpu-cache-gb
     ):
         c = cfg.cache
         limits = SchedulerLimits(
@@ -96,7 +96,10 @@ class Router:
         )
         spec = CacheSpec(c.page_size, c.num_pages, c.state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
         self.coord = CacheCoordinator(spec)
-        self.tiers = TierClient(self.coord, tier_root, c.page_size, c.hybrid) if tier_root is not None else None
+        self.tiers = None
+        if tier_layout is not None:
+            layout, root = tier_layout
+            self.tiers = TierClient(self.coord, root, c.page_size, c.hybrid, layout.num_pages, layout.num_states)
         self.scheduler = Scheduler(limits, self.coord, table, self.tiers)
         self.stats = router_stats
         self.debug = cfg.server.log_level == "debug"  # check the books after every step
@@ -311,13 +314,13 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     stats_region = ShmRegion.attach(cfg.server.name, stats.REGION)
     router_stats = stats.RouterStats(stats_region.payload)
     radix_region = ShmRegion.attach(cfg.server.name, stats.RADIX_REGION)
-    tier_root = None
+    tier_layout = None
     if cfg.cache.tiers:
-        from hkv.actors.cache_worker import tier_fingerprint
+        from hkv.actors.cache_worker import pool_layout
 
-        tier_root = tier_fingerprint(cfg.server.name)
+        tier_layout = pool_layout(cfg.server.name)
     zctx = zmq.asyncio.Context()
-    router = Router(cfg, zctx, table, router_stats, radix_region.payload, tier_root)
+    router = Router(cfg, zctx, table, router_stats, radix_region.payload, tier_layout)
     router.inbox.start()
     router.results.start()
     try:

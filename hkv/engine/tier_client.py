@@ -59,8 +59,11 @@ class Offload:
 class TierClient:
     """Lookups and offloads for one router; every outgoing message lands in `outbox`."""
 
-    def __init__(self, coord: CacheCoordinator, root_key: bytes, page_size: int, hybrid: bool):
+    def __init__(self, coord: CacheCoordinator, root_key: bytes, page_size: int, hybrid: bool,
+                 num_entries: int, num_states: int):
         self.coord = coord
+        self.num_entries = num_entries  # CPU-tier page entries: answers naming others are refused
+        self.num_states = num_states
         self.root_key = root_key
         self.page_size = page_size
         self.hybrid = hybrid
@@ -106,12 +109,19 @@ class TierClient:
             if msg.entries:
                 self.release(msg.lookup_id)
             return None
-        if not msg.entries or len(msg.from_disk) != len(msg.entries) or (self.hybrid and msg.state_entry is None):
+        if not msg.entries or not self._valid_found(msg):
             if msg.entries:
                 self.release(msg.lookup_id)
             return req_id, None
         hit = TierHit(msg.lookup_id, msg.first, tuple(msg.entries), tuple(msg.from_disk), msg.state_entry)
         return req_id, hit
+
+    def _valid_found(self, msg: TierFound) -> bool:
+        """Every index in range and the shapes consistent: a bad answer is never used as an index."""
+        return (len(msg.from_disk) == len(msg.entries) and msg.first >= 0
+                and all(0 <= e < self.num_entries for e in msg.entries)
+                and ((msg.state_entry is not None and 0 <= msg.state_entry < self.num_states)
+                     if self.hybrid else msg.state_entry is None))
 
     def release(self, lookup_id: int, after_plan: bool = False) -> None:
         """Unpin a lookup's entries now, or once the next plan (which loads them) ran."""
@@ -152,10 +162,12 @@ class TierClient:
             return []
         pairs = [(page, entry) for page, entry in zip(offload.pages, msg.entries) if entry is not None]
         ops: list[CacheOp] = []
-        if len(msg.entries) == len(offload.pages) and pairs:
-            ops.append(StorePages([p for p, _ in pairs], [e for _, e in pairs]))
         ckpt = offload.hold.checkpoint
-        if msg.state_entry is not None and ckpt is not None and len(msg.entries) == len(offload.pages):
+        valid = (len(msg.entries) == len(offload.pages) and all(0 <= e < self.num_entries for _, e in pairs)
+                 and (msg.state_entry is None or (ckpt is not None and 0 <= msg.state_entry < self.num_states)))
+        if valid and pairs:
+            ops.append(StorePages([p for p, _ in pairs], [e for _, e in pairs]))
+        if valid and msg.state_entry is not None:
             ops.append(StoreState(ckpt.slot, msg.state_entry))
         hold = offload.hold
         if not ops:
