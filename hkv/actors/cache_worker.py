@@ -170,22 +170,26 @@ class CacheWorker:
         return run[: last_state + 1] if need_state else run
 
     def _pin_run(self, run, need_state: bool) -> tuple[list[Entry], list[bool]]:
-        """Pin CPU entries and reserve entries for disk ones; stops where no entry can be had."""
+        """Pin the run's CPU entries, then reserve entries for its disk ones; stops where none can be had.
+
+        Pinning first keeps a disk page's reservation from evicting a later
+        CPU page of the same run (LRU makes the deeper pages the likeliest victims).
+        """
+        for _, entry in run:
+            if entry is not None:
+                self.cpu.pin(entry)
         entries: list[Entry] = []
-        from_disk: list[bool] = []
         for i, (key, entry) in enumerate(run):
             if entry is None:
                 entry = self.cpu.reserve(key)
-                if entry is None:
-                    break
-                if need_state and i == len(run) - 1 and self.cpu.reserve_state(entry) is None:
+                if entry is not None and need_state and i == len(run) - 1 and self.cpu.reserve_state(entry) is None:
                     self.cpu.drop(entry)
+                    entry = None
+                if entry is None:
+                    self._unpin_all([e for _, e in run[i:] if e is not None])
                     break
-            else:
-                self.cpu.pin(entry)
             entries.append(entry)
-            from_disk.append(not entry.valid)
-        return entries, from_disk
+        return entries, [not entry.valid for entry in entries]
 
     async def _read_disk(self, entries: list[Entry], from_disk: list[bool], need_state: bool):
         """Fill the reserved entries from disk; the run ends before the first one that fails."""
@@ -232,10 +236,13 @@ class CacheWorker:
             return TierReserved(msg.offload_id, [None] * len(msg.keys), None)
         out: list[int | None] = []
         new: list[Entry] = []
+        skipped: list[Entry] = []  # pinned while reserving, so making room never evicts the chain's own pages
         for key in msg.keys:
             held = self.cpu.entries.get(key)
             if held is not None:
                 self.cpu.counters.store_skipped += 1
+                self.cpu.pin(held)
+                skipped.append(held)
                 out.append(None)
                 continue
             entry = self.cpu.reserve(key)
@@ -246,6 +253,7 @@ class CacheWorker:
             new.append(entry)
         out += [None] * (len(msg.keys) - len(out))
         state_of, state = self._reserve_state(msg, out)
+        self._unpin_all(skipped)
         if new or state_of is not None:
             self.offloads[msg.offload_id] = Offload(new, state_of)
         return TierReserved(msg.offload_id, out, state)

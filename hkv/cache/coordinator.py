@@ -107,6 +107,7 @@ class Transaction:
         self._pages_before: int = len(req.pages)
         self._hit_node: Node | None = None
         self._hit_ckpt: Checkpoint | None = None
+        self._matched: bool = False  # match ran in this transaction (extend may follow it)
         self._extended: int = 0  # tokens a lower tier supplies past the hit (see extend)
         self._undo: list[Callable[[], None]] = []
 
@@ -245,6 +246,7 @@ class CacheCoordinator:
         if not txn._may_match or req.pages or req.state_slots or req.window_slots:
             raise TransactionError(f"request {req.req_id}: match must come first in a new or paused request")
         txn._may_match = False
+        txn._matched = True
         if not self.spec.prefix_cache or len(token_ids) < 2:
             return Hit(0, (), None)
         found = self.tree.match(tuple(token_ids), len(token_ids) - 1)
@@ -277,7 +279,8 @@ class CacheCoordinator:
     def _extend(self, txn: Transaction, tokens: int) -> tuple[int, ...]:
         req = self._check_txn(txn)
         P = self.spec.page_size
-        if txn._may_match or req.cursor != req.published + txn._extended or req.state_slots:
+        if (not txn._matched or req.cursor != req.published + txn._extended or req.state_slots
+                or len(req.pages) * P != req.cursor):
             raise TransactionError(f"request {req.req_id}: extend must follow match, before reserve")
         if tokens <= 0 or tokens % P:
             raise ValueError(f"extend({tokens}): a positive multiple of the page size {P}")

@@ -27,7 +27,7 @@ from hkv.ipc.messages import (
     TierCommit, TierFound, TierInbound, TierLookup, TierRelease, TierReserve, TierReserved,
 )  # fmt: skip
 
-MAX_OFFLOADS = 64  # offloads waiting for the worker or their step; beyond it a publish is not copied out
+MAX_OFFLOADS = 64  # holds for copies out (waiting for the worker or their step); beyond it a publish is not copied
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class TierClient:
 
     def offload(self, req_id: int, known: list[bytes], token_ids: list[int]) -> bool:
         """Copy the request's published prefix out to the CPU tier (hybrid: it must end at a checkpoint)."""
-        if len(self.offloads) >= MAX_OFFLOADS:
+        if len(self.coord.holds) >= MAX_OFFLOADS:
             self.skipped_offloads += 1
             return False
         hold = self.coord.hold(req_id)

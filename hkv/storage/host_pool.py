@@ -57,8 +57,13 @@ class HostLayout:
                           v_heads=state.v_heads, k_dim=state.k_dim, v_dim=state.v_dim)
         probe = cls(num_pages=1, num_states=1 if state is not None else 0, **fields)
         share = states_per_page if state is not None else 0.0
-        pages = int(max(0, budget_bytes - _ALIGN) // (probe.page_bytes + share * probe.state_bytes))
-        states = max(1, math.floor(pages * share)) if state is not None and pages else 0
+        room = max(0, budget_bytes - _ALIGN)
+        pages = int(room // (probe.page_bytes + share * probe.state_bytes))
+        states = math.floor(pages * share) if state is not None else 0
+        if state is not None and pages and states == 0:
+            # a hybrid hit needs a checkpoint: one state entry first, pages from what is left
+            pages = max(0, room - probe.state_bytes) // probe.page_bytes
+            states = 1 if pages else 0
         return cls(num_pages=pages, num_states=states, **fields)
 
     @property
@@ -113,21 +118,21 @@ class HostPool:
     """
 
     def __init__(self, layout: HostLayout, buffer: memoryview):
-        if len(buffer) < layout.nbytes:
-            raise ValueError(f"host pool buffer has {len(buffer)} bytes, the layout needs {layout.nbytes}")
+        if memoryview(buffer).nbytes < layout.nbytes:
+            raise ValueError(f"host pool buffer has {memoryview(buffer).nbytes} bytes, the layout needs {layout.nbytes}")
         self.layout: HostLayout = layout
-        self.buffer: memoryview = buffer
+        self.buffer: memoryview = memoryview(buffer).cast("B")  # views, never copies, of any buffer
         lay = layout
         dtype = _DTYPES[lay.kv_dtype]
         self.pages: torch.Tensor | None = None  # [num_pages, 2, L, P, H, D]
         self.k = self.v = self.conv = self.recurrent = None
         if lay.num_pages:
-            flat = torch.frombuffer(buffer, dtype=dtype, count=lay.num_pages * lay.page_bytes // dtype.itemsize)
+            flat = torch.frombuffer(self.buffer, dtype=dtype, count=lay.num_pages * lay.page_bytes // dtype.itemsize)
             self.pages = flat.view(lay.num_pages, *lay.kv_shape)
             self.k = self.pages[:, 0].transpose(0, 1)  # [L, N, P, H, D]
             self.v = self.pages[:, 1].transpose(0, 1)
         if lay.num_states:
-            states = torch.frombuffer(buffer, dtype=torch.float32, offset=lay.state_offset,
+            states = torch.frombuffer(self.buffer, dtype=torch.float32, offset=lay.state_offset,
                                       count=lay.num_states * lay.state_bytes // 4).view(lay.num_states, -1)
             conv = states[:, : lay.conv_numel].view(lay.num_states, lay.lin_layers, lay.conv_dim, lay.conv_width)
             rec = states[:, lay.conv_numel:].view(lay.num_states, lay.lin_layers, lay.v_heads, lay.k_dim, lay.v_dim)

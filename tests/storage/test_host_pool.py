@@ -1,0 +1,248 @@
+"""HostLayout sizing and HostPool views: every torch view aliases exactly its entry's bytes; copy_blocks round trips."""
+
+import pytest
+import torch
+
+from hkv.storage.host_pool import HostLayout, HostPool
+from hkv.storage.kv_pool import KVLayout, KVPool
+from hkv.storage.state_pool import StateLayout, StatePool
+from hkv_kernels.dispatch import copy_blocks
+
+KV = KVLayout(num_layers=2, num_pages=6, page_size=2, kv_heads=2, head_dim=4, dtype="float32", device="cpu")
+STATE = StateLayout(lin_layers=3, num_slots=4, conv_dim=6, kernel_size=3, v_heads=2, k_dim=3, v_dim=2)
+PAGE_BYTES = 2 * 2 * 2 * 2 * 4 * 4  # [2, L, P, H, D] fp32 = 256
+CONV_NUMEL, REC_NUMEL = 3 * 6 * 2, 3 * 2 * 3 * 2  # 36 + 36 floats
+STATE_BYTES = (CONV_NUMEL + REC_NUMEL) * 4  # 288
+
+
+def hybrid_layout(pages=10) -> HostLayout:
+    """Half a checkpoint per page: 400 bytes per page entry."""
+    return HostLayout.for_model(KV, STATE, 4096 + pages * (PAGE_BYTES + STATE_BYTES // 2), 0.5)
+
+
+def pool_of(layout: HostLayout) -> HostPool:
+    return HostPool(layout, memoryview(bytearray(layout.nbytes)))
+
+
+def floats(view) -> torch.Tensor:
+    """The fp32 values of a byte view (a copy)."""
+    return torch.frombuffer(bytearray(view), dtype=torch.float32)
+
+
+# ---- HostLayout ---------------------------------------------------------------------------
+
+
+def test_for_model_splits_the_budget_into_pages_and_states():
+    lay = hybrid_layout(10)
+    assert (lay.num_pages, lay.num_states) == (10, 5)
+    assert (lay.kv_layers, lay.page_size, lay.kv_heads, lay.head_dim, lay.kv_dtype) == (2, 2, 2, 4, "float32")
+    assert (lay.lin_layers, lay.conv_dim, lay.conv_width, lay.v_heads, lay.k_dim, lay.v_dim) == (3, 6, 2, 2, 3, 2)
+    assert lay.kv_shape == (2, 2, 2, 2, 4)
+    assert (lay.page_bytes, lay.state_bytes) == (PAGE_BYTES, STATE_BYTES)
+    assert (lay.conv_numel, lay.recurrent_numel) == (CONV_NUMEL, REC_NUMEL)
+    # the state area starts on the next 4 KiB boundary after the pages
+    assert lay.state_offset == 4096 and lay.nbytes == 4096 + 5 * STATE_BYTES
+    big = hybrid_layout(20)
+    assert (big.num_pages, big.num_states) == (20, 10)
+    assert big.state_offset == 8192 and big.nbytes == 8192 + 10 * STATE_BYTES
+    assert HostLayout(**big.to_dict()) == big
+
+
+def test_for_model_fits_the_budget_it_was_given():
+    for pages in (1, 3, 10, 16, 40):
+        budget = 4096 + pages * (PAGE_BYTES + STATE_BYTES // 2)
+        assert HostLayout.for_model(KV, STATE, budget, 0.5).nbytes <= budget
+        assert HostLayout.for_model(KV, None, budget, 0.5).nbytes <= budget
+
+
+def test_for_model_never_exceeds_the_budget_with_a_small_state_share():
+    big_state = StateLayout(lin_layers=4, num_slots=1, conv_dim=6, kernel_size=3, v_heads=4, k_dim=8, v_dim=8)
+    budget = 4096 + 300  # one page entry (256 B) plus a hundredth of a 4288-byte state
+    lay = HostLayout.for_model(KV, big_state, budget, 0.01)
+    # a page without a checkpoint is useless to a hybrid model, and a checkpoint does not fit
+    assert (lay.num_pages, lay.num_states, lay.state_bytes) == (0, 0, 4288)
+    assert lay.nbytes <= budget, f"{lay.nbytes} bytes for a budget of {budget}"
+    roomy = HostLayout.for_model(KV, big_state, 4096 + 4288 + 3 * 256, 0.01)
+    assert (roomy.num_pages, roomy.num_states) == (3, 1) and roomy.nbytes <= 4096 + 4288 + 3 * 256
+
+
+def test_for_model_dense_has_no_state():
+    lay = HostLayout.for_model(KV, None, 4096 + 5 * PAGE_BYTES + 100, 0.7)
+    assert (lay.num_pages, lay.num_states, lay.lin_layers, lay.state_bytes) == (5, 0, 0, 0)
+    assert lay.nbytes == lay.state_offset == 4096
+    assert lay.descriptor == "kv:2x2x2x2x4:float32"
+
+
+def test_for_model_with_too_small_a_budget_has_no_entries():
+    for budget in (0, 4095, 4096, 4096 + PAGE_BYTES - 1):
+        lay = HostLayout.for_model(KV, STATE, budget, 0.5)
+        assert (lay.num_pages, lay.num_states) == (0, 0)
+
+
+def test_for_model_refuses_a_non_fp32_state_pool():
+    with pytest.raises(ValueError, match="fp32 states"):
+        HostLayout.for_model(KV, StateLayout(**{**STATE.__dict__, "dtype": "bfloat16"}), 10**6, 0.5)
+
+
+def test_descriptor_names_the_entry_shape_not_the_counts():
+    small, big = hybrid_layout(3), hybrid_layout(30)
+    assert small.descriptor == big.descriptor == "kv:2x2x2x2x4:float32|state:conv3x6x2+rec3x2x3x2:float32"
+    bf16 = HostLayout.for_model(KVLayout(**{**KV.__dict__, "dtype": "bfloat16"}), STATE, 10**5, 0.5)
+    assert bf16.descriptor != small.descriptor and bf16.page_bytes == PAGE_BYTES // 2
+
+
+# ---- HostPool views -----------------------------------------------------------------------------
+
+
+def test_views_have_the_device_pools_axis_order():
+    host = pool_of(hybrid_layout(10))
+    assert host.k.shape == host.v.shape == (2, 10, 2, 2, 4)  # [L, N, P, H, D]
+    assert host.conv.shape == (3, 5, 6, 2) and host.recurrent.shape == (3, 5, 2, 3, 2)
+    assert host.k.dtype == torch.float32 and host.conv.dtype == host.recurrent.dtype == torch.float32
+    assert host.pages.shape == (10, 2, 2, 2, 2, 4)
+
+
+def test_k_and_v_alias_exactly_their_page_entry_bytes():
+    host = pool_of(hybrid_layout(10))
+    before = bytes(host.buffer)
+    k = torch.arange(16, dtype=torch.float32).view(2, 2, 4) + 1  # [P, H, D]
+    host.k[1, 3] = k
+    host.v[0, 3] = -k
+    entry = floats(host.page_view(3)).view(2, 2, 2, 2, 4)  # [K|V, L, P, H, D]
+    assert torch.equal(entry[0, 1], k) and torch.equal(entry[1, 0], -k)
+    assert not entry[0, 0].any() and not entry[1, 1].any()
+    after = bytes(host.buffer)
+    changed = [i for i in range(len(after)) if after[i] != before[i]]
+    assert 3 * PAGE_BYTES <= min(changed) and max(changed) < 4 * PAGE_BYTES
+
+
+def test_writing_a_page_view_shows_through_k_and_v():
+    host = pool_of(hybrid_layout(10))
+    values = torch.arange(64, dtype=torch.float32)
+    host.page_view(7)[:] = values.numpy().tobytes()
+    entry = values.view(2, 2, 2, 2, 4)
+    assert torch.equal(host.k[:, 7], entry[0]) and torch.equal(host.v[:, 7], entry[1])
+    assert not host.k[:, 6].any() and not host.k[:, 8].any()
+
+
+def test_conv_and_recurrent_alias_exactly_their_state_entry_bytes():
+    lay = hybrid_layout(10)
+    host = pool_of(lay)
+    host.conv[2, 1] = torch.full((6, 2), 3.0)
+    host.recurrent[0, 1] = torch.full((2, 3, 2), 5.0)
+    view = host.state_view(1)
+    assert len(view) == STATE_BYTES
+    entry = floats(view)
+    conv, rec = entry[:CONV_NUMEL].view(3, 6, 2), entry[CONV_NUMEL:].view(3, 2, 3, 2)
+    assert (conv[2] == 3).all() and not conv[:2].any()
+    assert (rec[0] == 5).all() and not rec[1:].any()
+    # nothing outside state entry 1 changed
+    raw = bytes(host.buffer)
+    start = lay.state_offset + STATE_BYTES
+    assert not any(raw[:start]) and not any(raw[start + STATE_BYTES :])
+    # and back: bytes written to the entry show through the views
+    host.state_view(4)[:] = torch.arange(72, dtype=torch.float32).numpy().tobytes()
+    assert torch.equal(host.conv[:, 4].reshape(-1), torch.arange(36, dtype=torch.float32))
+    assert torch.equal(host.recurrent[:, 4].reshape(-1), torch.arange(36, 72, dtype=torch.float32))
+
+
+def test_dense_pool_has_no_state_views():
+    lay = HostLayout.for_model(KV, None, 4096 + 5 * PAGE_BYTES, 0.5)
+    host = pool_of(lay)
+    assert host.conv is None and host.recurrent is None and host.k.shape == (2, 5, 2, 2, 4)
+    with pytest.raises(IndexError, match="state entry 0 out of range"):
+        host.state_view(0)
+
+
+def test_a_pool_without_entries_has_no_views():
+    lay = HostLayout.for_model(KV, STATE, 100, 0.5)
+    host = HostPool(lay, memoryview(bytearray(lay.nbytes)))
+    assert host.pages is None and host.k is None and host.conv is None
+
+
+def test_entry_views_check_their_index():
+    host = pool_of(hybrid_layout(10))
+    for bad in (-1, 10):
+        with pytest.raises(IndexError, match="page entry"):
+            host.page_view(bad)
+    with pytest.raises(IndexError, match="state entry 5"):
+        host.state_view(5)
+
+
+def test_too_small_a_buffer_raises():
+    lay = hybrid_layout(10)
+    with pytest.raises(ValueError, match=f"has {lay.nbytes - 1} bytes, the layout needs {lay.nbytes}"):
+        HostPool(lay, memoryview(bytearray(lay.nbytes - 1)))
+    HostPool(lay, memoryview(bytearray(lay.nbytes + 10)))  # larger is fine (an shm region rounds up)
+
+
+def test_release_drops_every_view():
+    host = pool_of(hybrid_layout(10))
+    host.release()
+    assert host.pages is None and host.k is None and host.v is None
+    assert host.conv is None and host.recurrent is None and host.buffer is None
+
+
+def test_a_bytearray_buffer_aliases_like_a_memoryview():
+    lay = hybrid_layout(10)
+    host = HostPool(lay, bytearray(lay.nbytes))
+    host.page_view(0)[:4] = b"\x00\x00\x80\x3f"  # 1.0f, as a disk read would write it
+    assert host.k[0, 0, 0, 0, 0].item() == 1.0
+
+
+# ---- copy_blocks between device pools and the host pool --------------------------------------
+
+
+def test_copy_blocks_moves_kv_pages_to_host_entries_and_back():
+    gen = torch.Generator().manual_seed(0)
+    kv = KVPool(KV)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    original_k, original_v = kv.k.clone(), kv.v.clone()
+    host = pool_of(hybrid_layout(10))
+    pages, entries = torch.tensor([4, 1, 5]), torch.tensor([0, 9, 3])
+    for dev, side in ((kv.k, host.k), (kv.v, host.v)):
+        copy_blocks(dev, side, pages, entries)
+    for page, entry in zip(pages.tolist(), entries.tolist()):
+        want = torch.stack([original_k[:, page], original_v[:, page]])  # [K|V, L, P, H, D]
+        assert bytes(host.page_view(entry)) == want.numpy().tobytes()
+    assert not host.k[:, [1, 2, 4, 5, 6, 7, 8]].any()
+    # back into other device pages
+    kv.k.zero_()
+    kv.v.zero_()
+    for side, dev in ((host.k, kv.k), (host.v, kv.v)):
+        copy_blocks(side, dev, entries, torch.tensor([0, 2, 3]))
+    for dst, src in ((0, 4), (2, 1), (3, 5)):
+        assert torch.equal(kv.k[:, dst], original_k[:, src]) and torch.equal(kv.v[:, dst], original_v[:, src])
+    assert not kv.k[:, [1, 4, 5]].any() and not kv.v[:, [1, 4, 5]].any()
+
+
+def test_copy_blocks_skips_out_of_range_pairs_into_the_host_pool():
+    kv = KVPool(KV)
+    kv.k.fill_(1.0)
+    host = pool_of(hybrid_layout(10))
+    copy_blocks(kv.k, host.k, torch.tensor([0, 6, -1]), torch.tensor([10, 1, 2]))
+    assert not host.k.any()
+
+
+def test_copy_blocks_moves_state_slots_to_host_entries_and_back():
+    gen = torch.Generator().manual_seed(1)
+    state = StatePool(STATE)
+    state.conv.copy_(torch.randn(state.conv.shape, generator=gen))
+    state.recurrent.copy_(torch.randn(state.recurrent.shape, generator=gen))
+    conv, rec = state.conv.clone(), state.recurrent.clone()
+    host = pool_of(hybrid_layout(10))
+    slots, entries = torch.tensor([2, 0]), torch.tensor([1, 4])
+    copy_blocks(state.conv, host.conv, slots, entries)
+    copy_blocks(state.recurrent, host.recurrent, slots, entries)
+    for slot, entry in ((2, 1), (0, 4)):
+        want = conv[:, slot].contiguous().numpy().tobytes() + rec[:, slot].contiguous().numpy().tobytes()
+        assert bytes(host.state_view(entry)) == want
+    assert not host.conv[:, [0, 2, 3]].any() and not host.recurrent[:, [0, 2, 3]].any()
+    state.conv.zero_()
+    state.recurrent.zero_()
+    copy_blocks(host.conv, state.conv, entries, torch.tensor([3, 1]))
+    copy_blocks(host.recurrent, state.recurrent, entries, torch.tensor([3, 1]))
+    assert torch.equal(state.conv[:, 3], conv[:, 2]) and torch.equal(state.recurrent[:, 3], rec[:, 2])
+    assert torch.equal(state.conv[:, 1], conv[:, 0]) and torch.equal(state.recurrent[:, 1], rec[:, 0])
+    assert not state.conv[:, [0, 2]].any() and not state.recurrent[:, [0, 2]].any()
