@@ -112,8 +112,8 @@ def run(device: str, quick: bool, repeats: int) -> list[dict]:
         host_flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
         plain_d2h = _time(lambda: host_flat.copy_(dev_flat, non_blocking=True), device, repeats)
         plain_h2d = _time(lambda: dev_flat.copy_(host_flat, non_blocking=True), device, repeats)
-        store = _time(lambda: runner._copy_pages((kv.k, kv.v), (host.k, host.v), src, dst), device, repeats)
-        load = _time(lambda: runner._copy_pages((host.k, host.v), (kv.k, kv.v), dst, src), device, repeats)
+        store = _time(lambda: runner._copy_pages(to_host=True, pages=src, entries=dst), device, repeats)
+        load = _time(lambda: runner._copy_pages(to_host=False, pages=src, entries=dst), device, repeats)
         shape = f"{batch} pages x {layout.page_bytes // 1024} KiB"
         rows.append(_row("StorePages d2h", shape, nbytes, store, plain_d2h))
         rows.append(_row("LoadPages h2d", shape, nbytes, load, plain_h2d))
@@ -137,8 +137,8 @@ def run(device: str, quick: bool, repeats: int) -> list[dict]:
 def _check_round_trip(runner: ModelRunner, kv: KVPool, host: HostPool) -> None:
     """Pages stored and loaded back land bit-exact (a benchmark of a wrong copy is worthless)."""
     src, entries, back = [3, 7, 11], [5, 0, 9], [1, 2, 4]
-    runner._copy_pages((kv.k, kv.v), (host.k, host.v), src, entries)
-    runner._copy_pages((host.k, host.v), (kv.k, kv.v), entries, back)
+    runner._copy_pages(to_host=True, pages=src, entries=entries)
+    runner._copy_pages(to_host=False, pages=back, entries=entries)
     if kv.k.is_cuda:
         torch.cuda.synchronize()
     assert torch.equal(kv.k[:, src], kv.k[:, back]) and torch.equal(kv.v[:, src], kv.v[:, back])

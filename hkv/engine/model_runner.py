@@ -79,24 +79,36 @@ class ModelRunner:
                     raise NotImplementedError("draft-window checkpoints arrive with speculative decoding")
                 self.state.copy_slot(op.src_slot, op.dst_slot)
             elif isinstance(op, StorePages):
-                self._copy_pages((self.kv.k, self.kv.v), (self.host.k, self.host.v), op.src_pages, op.dst_entries)
+                self._copy_pages(to_host=True, pages=op.src_pages, entries=op.dst_entries)
             elif isinstance(op, LoadPages):
-                self._copy_pages((self.host.k, self.host.v), (self.kv.k, self.kv.v), op.src_entries, op.dst_pages)
+                self._copy_pages(to_host=False, pages=op.dst_pages, entries=op.src_entries)
             elif isinstance(op, StoreState):
                 self._copy_state(to_host=True, slot=op.src_slot, entry=op.dst_entry)
             elif isinstance(op, LoadState):
                 self._copy_state(to_host=False, slot=op.dst_slot, entry=op.src_entry)
 
-    def _copy_pages(self, src: tuple, dst: tuple, src_ids: list[int], dst_ids: list[int]) -> None:
-        """Pages between the device pool and the CPU tier; out-of-range pairs are skipped by the copy."""
+    def _indexes(self, *lists: list[int]) -> torch.Tensor:
+        """The index lists as one [n, M] int64 tensor on the device: one host-to-device transfer."""
+        idx = torch.tensor(lists, dtype=torch.long)
+        if self.device.type == "cuda":
+            return idx.pin_memory().to(self.device, non_blocking=True)
+        return idx
+
+    def _copy_pages(self, to_host: bool, pages: list[int], entries: list[int]) -> None:
+        """Pages between the device pool and the CPU tier: K and V of every layer in one copy.
+        Out-of-range pairs are skipped by the copy."""
         from hkv_kernels.dispatch import copy_blocks
 
-        if self.host is None or len(src_ids) != len(dst_ids):
+        if self.host is None or len(pages) != len(entries):
             raise ValueError("a tier copy without a CPU tier, or with unequal index lists")
-        src_idx = torch.tensor(src_ids, dtype=torch.long)
-        dst_idx = torch.tensor(dst_ids, dtype=torch.long)
-        for s, d in zip(src, dst):
-            copy_blocks(s, d, src_idx, dst_idx)
+        if not pages:
+            return
+        idx = self._indexes(pages, entries)
+        device_side, host_side = self.kv.layers_view(), self.host.kv_layers
+        if to_host:
+            copy_blocks(device_side, host_side, idx[0], idx[1])
+        else:
+            copy_blocks(host_side, device_side, idx[1], idx[0])
 
     def _copy_state(self, to_host: bool, slot: int, entry: int) -> None:
         """One checkpoint between a state slot and a CPU-tier state entry."""
@@ -106,14 +118,12 @@ class ModelRunner:
             raise ValueError("a state copy without a CPU tier or a state pool")
         if not (0 <= slot < self.state.num_slots and 0 <= entry < self.host.layout.num_states):
             raise IndexError(f"state copy slot {slot} / entry {entry} out of range")
-        device_side = (self.state.conv, self.state.recurrent)
-        host_side = (self.host.conv, self.host.recurrent)
-        slot_idx, entry_idx = torch.tensor([slot]), torch.tensor([entry])
-        for dev, host in zip(device_side, host_side):
+        idx = self._indexes([slot], [entry])
+        for dev, host in ((self.state.conv, self.host.conv), (self.state.recurrent, self.host.recurrent)):
             if to_host:
-                copy_blocks(dev, host, slot_idx, entry_idx)
+                copy_blocks(dev, host, idx[0], idx[1])
             else:
-                copy_blocks(host, dev, entry_idx, slot_idx)
+                copy_blocks(host, dev, idx[1], idx[0])
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -113,6 +113,7 @@ class HostPool:
     """Torch views over a HostLayout buffer (an shm payload, or any writable buffer in tests).
 
         k, v      [kv_layers, num_pages, page_size, kv_heads, head_dim]   (views; entry-major in memory)
+        kv_layers [2 * kv_layers, num_pages, page_size, kv_heads, head_dim]   K's layers then V's
         conv      [lin_layers, num_states, conv_dim, conv_width]
         recurrent [lin_layers, num_states, v_heads, k_dim, v_dim]
     """
@@ -125,12 +126,14 @@ class HostPool:
         lay = layout
         dtype = _DTYPES[lay.kv_dtype]
         self.pages: torch.Tensor | None = None  # [num_pages, 2, L, P, H, D]
-        self.k = self.v = self.conv = self.recurrent = None
+        self.k = self.v = self.kv_layers = self.conv = self.recurrent = None
         if lay.num_pages:
             flat = torch.frombuffer(self.buffer, dtype=dtype, count=lay.num_pages * lay.page_bytes // dtype.itemsize)
             self.pages = flat.view(lay.num_pages, *lay.kv_shape)
             self.k = self.pages[:, 0].transpose(0, 1)  # [L, N, P, H, D]
             self.v = self.pages[:, 1].transpose(0, 1)
+            # [2L, N, P, H, D]: K's layers then V's, the axis order of KVPool.layers_view()
+            self.kv_layers = self.pages.view(lay.num_pages, 2 * lay.kv_layers, *lay.kv_shape[2:]).transpose(0, 1)
         if lay.num_states:
             states = torch.frombuffer(self.buffer, dtype=torch.float32, offset=lay.state_offset,
                                       count=lay.num_states * lay.state_bytes // 4).view(lay.num_states, -1)
@@ -157,7 +160,7 @@ class HostPool:
 
     def release(self) -> None:
         """Drop every view so the shm mapping can close."""
-        self.pages = self.k = self.v = self.conv = self.recurrent = None
+        self.pages = self.k = self.v = self.kv_layers = self.conv = self.recurrent = None
         self.buffer = None
 
 

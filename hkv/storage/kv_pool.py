@@ -4,7 +4,7 @@ Only full-attention layers store K/V; model layer i keeps its pages at storage
 layer `layer_map[i]`. A page holds `page_size` consecutive token positions of
 one sequence; a flat slot addresses one token position in one page:
 
-    k, v      [storage_layers, num_pages, page_size, kv_heads, head_dim]
+    k, v      [storage_layers, num_pages, page_size, kv_heads, head_dim]   (two halves of one tensor)
     slot      = page * page_size + offset          (0 <= offset < page_size)
 
 The router owns which page belongs to whom; the pool only reads and writes by
@@ -64,8 +64,10 @@ class KVPool:
         """Zeroed K/V; `layer_map` (model layer -> storage layer) defaults to the one layout.layer_ids implies."""
         self.layout: KVLayout = layout
         dtype, device = layout.torch_dtype, torch.device(layout.device)
-        self.k: torch.Tensor = torch.zeros(layout.shape, dtype=dtype, device=device)
-        self.v: torch.Tensor = torch.zeros(layout.shape, dtype=dtype, device=device)
+        # K and V in one allocation: [2, L, N, P, H, D], so a page copy moves both in one launch
+        self.kv: torch.Tensor = torch.zeros((2, *layout.shape), dtype=dtype, device=device)
+        self.k: torch.Tensor = self.kv[0]
+        self.v: torch.Tensor = self.kv[1]
         layer_ids = layout.layer_ids or tuple(range(layout.num_layers))
         implied = {layer: i for i, layer in enumerate(layer_ids)}
         self.layer_map: dict[int, int] = dict(layer_map) if layer_map is not None else implied
@@ -73,6 +75,11 @@ class KVPool:
             raise ValueError(
                 f"layer_map must map onto storage layers 0..{layout.num_layers - 1} once each, got {self.layer_map}"
             )
+
+    def layers_view(self) -> torch.Tensor:
+        """K and V as 2L storage layers of one tensor: [2L, N, P, H, D] (K's layers first), a view."""
+        lay = self.layout
+        return self.kv.view(2 * lay.num_layers, lay.num_pages, lay.page_size, lay.kv_heads, lay.head_dim)
 
     @property
     def num_pages(self) -> int:
