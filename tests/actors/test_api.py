@@ -475,4 +475,4 @@ async def test_models_metrics_and_flush(api):
     ):
         assert name in text, name
     status, body = await api.post("/cache/flush", {})
-    assert status == 200 and body == {"flushed": True, "pages": 3, "checkpoints": 1}
+    assert status == 200 and body == {"flushed": True, "pages": 3, "checkpoints": 1, "cpu_pages": 0, "disk_files": 0}
