@@ -15,14 +15,23 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# int32 elements per 16 bytes: every view below starts 16-byte aligned
+_ALIGN = 4
+
+
 def to_device_ints(rows: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Several int32 host lists as views of one device tensor: one host-to-device copy, not one per list."""
-    flat = torch.tensor([x for r in rows for x in r], dtype=torch.int32).to(device, non_blocking=True)
-    out, offset = [], 0
+    """Several int32 host lists as views of one device tensor: one host-to-device copy, not one per list.
+
+    Each view starts on a 16-byte boundary: Triton specializes pointer arguments on
+    alignment, so unpadded views would compile a new kernel variant per batch size mod 4.
+    """
+    flat, starts = [], []
     for r in rows:
-        out.append(flat[offset : offset + len(r)])
-        offset += len(r)
-    return out
+        starts.append(len(flat))
+        flat += r
+        flat += [0] * (-len(flat) % _ALIGN)
+    flat_t = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
+    return [flat_t[start : start + len(r)] for start, r in zip(starts, rows)]
 
 
 def ragged_metadata(q_lens: list[int], extra: list[list[int]], block_t: int, device: torch.device):

@@ -12,7 +12,7 @@ import torch
 
 
 def paged_attention(q: torch.Tensor, kv, layer: int, batch, scale: float) -> torch.Tensor:
-    """Drop-in for `hkv.models.qwen3.paged_attention`.
+    """`hkv.models.qwen3.paged_attention` on CPU, the Triton kernel on CUDA (what the model layers call).
 
     q: [T, Hq, D] all new tokens in batch order; kv: KVPool with the new tokens'
     K/V already written; layer: model layer index; batch: ForwardBatch.
@@ -98,7 +98,7 @@ def gated_delta_net(
     heads: tuple[int, int, int, int],
     keep_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Drop-in for the per-sequence loop of `GatedDeltaNet.forward` (conv, split, delta rule).
+    """The token mixer of `GatedDeltaNet.forward`: conv, split, delta rule over state slots.
 
     qkv: [T, C] conv inputs q|k|v; g, beta: [T, Hv]; conv_weight: [C, K];
     state: StatePool; layer: model layer index; batch: ForwardBatch (q_lens, state_slots);

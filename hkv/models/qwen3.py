@@ -12,7 +12,9 @@ Every model family exposes the same interface to the loader and the runner:
 
 Names: T new tokens in the batch, S tokens whose logits are returned, H hidden
 size, Hq query heads, Hkv KV heads, D head dim, L tokens in one sequence's KV.
-The paged attention here is the reference path (a loop over sequences).
+`paged_attention` here is the reference path (a loop over sequences); the
+layers call `hkv_kernels.dispatch.paged_attention`, which runs it for CPU
+tensors and the Triton kernel for CUDA ones.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 from hkv.models.batch import ForwardBatch
 from hkv.storage.kv_pool import KVLayout, KVPool
+from hkv_kernels import dispatch
 
 
 class WeightLoadError(ValueError):
@@ -154,7 +157,8 @@ def paged_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: ForwardBatch
     """Reference paged attention: each sequence's new queries over its K/V read through its page-table row.
 
     q: [T, Hq, D] (all new tokens, batch order) -> [T, Hq, D]. The new tokens' K/V must
-    already be written to the pool. Loops over sequences; the GPU path replaces this.
+    already be written to the pool. Loops over sequences; on CUDA, `hkv_kernels.dispatch`
+    runs the Triton kernel instead.
     """
     out = torch.empty_like(q)
     for b, start in enumerate(batch.q_starts):
@@ -194,7 +198,7 @@ class Qwen3Attention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(self.layer_idx, batch.slot_mapping, k, v)
-        out = paged_attention(q, kv, self.layer_idx, batch, self.scale)  # [T, Hq, D]
+        out = dispatch.paged_attention(q, kv, self.layer_idx, batch, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
 

@@ -21,6 +21,11 @@ Prefill chunks (q_len > 1) take the chunked delta rule, decode (q_len == 1)
 the recurrent one; a prompt split into chunks anywhere gives the unsplit
 result up to float rounding.
 
+Kernels: attention and the GDN conv + delta rule go through
+`hkv_kernels.dispatch`, which runs the pure-torch references (hkv.models.gdn,
+`qwen3.paged_attention`) for CPU tensors and the Triton / fla-core kernels for
+CUDA ones (docs/kernels.md).
+
 Names: T new tokens in the batch, S rows whose logits are returned, Hq / Hkv
 attention heads, D head dim, rot rotary dims, C conv channels, Hk / Hv and
 Dk / Dv linear-attention key / value heads and head dims.
@@ -40,9 +45,10 @@ from torch import nn
 from hkv.models import gdn
 from hkv.models.batch import ForwardBatch
 from hkv.models.qwen3 import Qwen3MLP as MLP  # the same SwiGLU MLP; qwen3_next imports it from here
-from hkv.models.qwen3 import Rotary, apply_rope, default_rope_theta, load_params, paged_attention
+from hkv.models.qwen3 import Rotary, apply_rope, default_rope_theta, load_params
 from hkv.storage.kv_pool import KVLayout, KVPool
 from hkv.storage.state_pool import StateLayout, StatePool
+from hkv_kernels import dispatch
 
 log = logging.getLogger("hkv.models")
 
@@ -210,7 +216,7 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         kv.write(self.layer_idx, batch.slot_mapping, k, v)
-        out = paged_attention(q, kv, self.layer_idx, batch, self.scale)  # [T, Hq, D]
+        out = dispatch.paged_attention(q, kv, self.layer_idx, batch, self.scale)  # [T, Hq, D]
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))  # [T, Hq * D]
         return self.o_proj(out)
 
@@ -251,34 +257,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
         qkv, z, b, a = self.project(x)
         g, beta = gdn.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
-        layer = state.layer_map[self.layer_idx]
-        core = x.new_empty(x.shape[0], self.v_heads, self.v_dim)  # [T, Hv, Dv]
-        for start, q_len, slot in zip(batch.q_starts, batch.q_lens, batch.state_slots.tolist()):
-            if q_len == 0:
-                continue
-            rows = slice(start, start + q_len)
-            core[rows] = self.mix_sequence(qkv[rows], g[rows], beta[rows], state, layer, slot)
+        heads = (self.k_heads, self.k_dim, self.v_heads, self.v_dim)
+        # conv + delta rule of every sequence from and overwriting its state slot
+        core = dispatch.gated_delta_net(
+            qkv, g, beta, self.conv1d.weight[:, 0], state, self.layer_idx, batch, heads
+        )  # [T, Hv, Dv]
         core = self.norm(core, z)
         return self.out_proj(core.reshape(x.shape[0], -1))
-
-    def mix_sequence(
-        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: StatePool, layer: int, slot: int
-    ) -> torch.Tensor:
-        """One sequence's new tokens: conv + delta rule from the slot's state, then overwrite the slot.
-
-        qkv: [T, C]; g, beta: [T, Hv]. Returns [T, Hv, Dv].
-        """
-        num_tokens = qkv.shape[0]
-        conv_out, conv_state = gdn.causal_conv1d(qkv, state.conv[layer, slot], self.conv1d.weight[:, 0])
-        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(num_tokens, self.k_heads, self.k_dim)
-        k = k.reshape(num_tokens, self.k_heads, self.k_dim)
-        v = v.reshape(num_tokens, self.v_heads, self.v_dim)
-        rule = gdn.recurrent_gated_delta_rule if num_tokens == 1 else gdn.chunk_gated_delta_rule
-        out, recurrent = rule(q, k, v, g, beta, state.recurrent[layer, slot])
-        state.conv[layer, slot].copy_(conv_state)
-        state.recurrent[layer, slot].copy_(recurrent)
-        return out
 
 
 class DecoderLayer(nn.Module):

@@ -42,7 +42,9 @@ def _attn_block(
     return acc, m_new, l_i
 
 
-@triton.jit
+# the grid size and the page-table width change every step: specializing on them (== 1, % 16)
+# would compile new variants mid-serving
+@triton.jit(do_not_specialize=["stride_pt", "num_blocks"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, q_start_ptr, q_len_ptr, kv_len_ptr, block_seq_ptr, block_tok_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -96,14 +98,20 @@ def _paged_attention_kernel(
     tl.store(o_ptr + o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-def _tile_config(q_lens: list[int], group: int, head_dim: int) -> tuple[int, int, int, int]:
+def _tile_config(q_lens: list[int], group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), from the H200 sweep in docs/kernels.md.
 
     Decode: few rows, long key blocks to keep many loads in flight. Prefill: wide row tiles.
     Head dims above 128 get a smaller, unmeasured prefill tile so registers and shared memory fit.
+    fp32 (exact ieee dots, the parity mode) gets small tiles: its dots unroll into scalar FMAs,
+    and with the bf16 prefill tile the head-dim-128 case did not compile within ~70 s on an H200.
     """
-    if max(q_lens, default=1) <= 4:
-        return max(16, next_pow2(group * max(q_lens, default=1))), 128, 4, 3
+    decode = max(q_lens, default=1) <= 4
+    decode_rows = max(16, next_pow2(group * max(q_lens, default=1)))
+    if dtype == torch.float32:
+        return (decode_rows, 64, 4, 2) if decode else (max(64, next_pow2(group)), 32, 4, 2)
+    if decode:
+        return decode_rows, 128, 4, 3
     if head_dim <= 128:
         return max(256, next_pow2(group)), 64, 8, 2
     return max(64, next_pow2(group)), 64, 4, 2
@@ -121,7 +129,7 @@ def launch_paged_attention(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = tile or _tile_config(q_lens, group, head_dim)
+    block_m, block_n, num_warps, num_stages = tile or _tile_config(q_lens, group, head_dim, q.dtype)
     block_t = max(1, block_m // group)
     q_start, q_len_t, kv_len_t, block_seq, block_tok = ragged_metadata(q_lens, [kv_lens], block_t, q.device)
     num_blocks = block_seq.numel()

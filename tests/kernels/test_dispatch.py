@@ -1,14 +1,90 @@
-"""The dispatch ops keep the CPU path on the references: the tiny hybrid with the recommended
-call-site edits applied still matches transformers (fp32, CPU)."""
+"""On CPU the model path through `hkv_kernels.dispatch` is exactly the pure-torch references.
 
-import transformers as tf
+The GDN layer must equal, bit for bit, the per-sequence composition of
+`hkv.models.gdn` (conv, then the chunked or recurrent rule) that the model ran
+before the dispatch ops, and a CPU forward must not import Triton at all.
+"""
 
-from hkv.models.loader import load_model
-from tests.kernels.test_model_cuda import kernels_on  # noqa: F401  (fixture)
-from tests.models.test_qwen3_5 import TEXT_CONFIG, TOL, build_hf, ragged_parity
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from hkv.models import gdn
+from hkv.models.batch import ForwardBatch
+from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+from hkv.storage.state_pool import StatePool
+from tests.models.test_qwen3_5 import TEXT_CONFIG, PagedRun
+
+REPO = Path(__file__).resolve().parents[2]
 
 
-def test_cpu_dispatch_matches_transformers(tmp_path, kernels_on):  # noqa: F811
-    ref = build_hf(tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig(**TEXT_CONFIG), tmp_path, seed=1)
-    ours = load_model(tmp_path, "float32", "cpu").model
-    assert ragged_parity(ours, ref, TEXT_CONFIG["vocab_size"]) < TOL
+def _per_sequence_gdn(layer, x, batch, state):
+    """GatedDeltaNet.forward as a loop of the hkv.models.gdn references (the pre-dispatch code)."""
+    qkv, z, b, a = layer.project(x)
+    g, beta = gdn.gdn_gates(a, b, layer.A_log, layer.dt_bias)
+    s = state.layer_map[layer.layer_idx]
+    core = x.new_empty(x.shape[0], layer.v_heads, layer.v_dim)  # [T, Hv, Dv]
+    for start, n, slot in zip(batch.q_starts, batch.q_lens, batch.state_slots.tolist()):
+        rows = slice(start, start + n)
+        conv_out, conv_state = gdn.causal_conv1d(qkv[rows], state.conv[s, slot], layer.conv1d.weight[:, 0])
+        q, k, v = torch.split(conv_out, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+        rule = gdn.recurrent_gated_delta_rule if n == 1 else gdn.chunk_gated_delta_rule
+        core[rows], recurrent = rule(
+            q.reshape(n, layer.k_heads, layer.k_dim), k.reshape(n, layer.k_heads, layer.k_dim),
+            v.reshape(n, layer.v_heads, layer.v_dim), g[rows], beta[rows], state.recurrent[s, slot],
+        )
+        state.conv[s, slot].copy_(conv_state)
+        state.recurrent[s, slot].copy_(recurrent)
+    return layer.out_proj(layer.norm(core, z).reshape(x.shape[0], -1))
+
+
+def _copy(state: StatePool) -> StatePool:
+    out = StatePool(state.layout)
+    out.conv.copy_(state.conv)
+    out.recurrent.copy_(state.recurrent)
+    return out
+
+
+def test_cpu_gdn_layer_is_the_per_sequence_reference():
+    torch.manual_seed(0)
+    cfg = Qwen3_5Config.from_hf({**TEXT_CONFIG, "model_type": "qwen3_5_text"})
+    model = Qwen3_5ForCausalLM(cfg).eval()
+    run = PagedRun(model, seed=0)
+    for name, slot in (("a", 5), ("b", 2), ("c", 0)):
+        run.add(name, slot)
+    run.step([("a", list(range(70))), ("b", [3]), ("c", list(range(9)))])  # states to continue from
+    # a decode, a prefill chunk crossing the 64-token GDN chunk, and a decode, in one batch
+    q_lens, slots = [1, 66, 1], [5, 2, 0]
+    num_tokens = sum(q_lens)
+    x = torch.randn(num_tokens, cfg.hidden_size)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.long), positions=torch.zeros(num_tokens, dtype=torch.long),
+        q_lens=q_lens, kv_lens=[71, 67, 10], page_table=torch.zeros(3, 18, dtype=torch.long),
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.long), logits_indices=torch.arange(num_tokens),
+        state_slots=torch.tensor(slots),
+    )
+    layer = model.model.layers[0].linear_attn
+    ours, expected = _copy(run.state), _copy(run.state)
+    with torch.inference_mode():
+        got = layer(x, batch, ours)
+        want = _per_sequence_gdn(layer, x, batch, expected)
+    assert torch.equal(got, want)
+    assert torch.equal(ours.conv, expected.conv) and torch.equal(ours.recurrent, expected.recurrent)
+
+
+def test_cpu_forward_never_imports_triton():
+    code = (
+        "import sys, torch\n"
+        "from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM\n"
+        "from tests.models.test_qwen3_5 import TEXT_CONFIG, PagedRun\n"
+        "cfg = Qwen3_5Config.from_hf({**TEXT_CONFIG, 'model_type': 'qwen3_5_text'})\n"
+        "run = PagedRun(Qwen3_5ForCausalLM(cfg).eval())\n"
+        "run.add('a', 1)\n"
+        "run.step([('a', [1, 2, 3])])\n"
+        "run.step([('a', [4])])\n"
+        "assert 'triton' not in sys.modules, 'a CPU forward imported triton'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
