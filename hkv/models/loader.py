@@ -1,4 +1,5 @@
-"""Load an HF checkpoint folder: config.json, safetensors weights (single or sharded), eos ids, weights digest.
+"""Load an HF checkpoint folder: config.json, safetensors weights (single or sharded), eos ids;
+and the cache fingerprint (weights digest included) for the CPU/disk tiers.
 
 Weights are read with safetensors' `safe_open` only (never pickle). The model
 is built on the meta device and materialized on the target device in the
@@ -37,7 +38,6 @@ class LoadedModel:
     hf_config: dict  # config.json as read
     max_context: int  # longest sequence (prompt + output) the model supports: max_position_embeddings
     eos_token_ids: tuple[int, ...]  # from generation_config.json then config.json, deduplicated
-    weights_digest: str  # sha256 hex over the weight files' names and bytes (part of the cache fingerprint)
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,6 @@ def load_model(path: str | Path, dtype: str, device: str) -> LoadedModel:
         hf_config=hf_config,
         max_context=cfg.max_position_embeddings,
         eos_token_ids=checkpoint_eos_ids(folder),
-        weights_digest=weights_digest([s.path for s in shards]),
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hkv.models.loader import ModelLoadError, load_model, weights_digest
+from hkv.models.loader import ModelLoadError, cache_fingerprint, load_model, weights_digest
 from hkv.models.qwen3 import WeightLoadError
 from hkv.models.registry import FAMILIES, resolve_family
 from tests.models.test_qwen3 import hf_tiny_qwen3
@@ -46,18 +46,26 @@ def test_loaded_model_metadata(saved):
     assert loaded.eos_token_ids == (7, 5)  # generation_config first, then config.json, deduplicated
     assert loaded.hf_config["model_type"] == "qwen3"
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
-    assert len(loaded.weights_digest) == 64
 
 
 def test_weights_digest_is_stable_and_content_based(saved, tmp_path):
-    first = load_model(saved["single"], "float32", "cpu").weights_digest
+    first = weights_digest([saved["single"] / "model.safetensors"])
+    assert len(first) == 64
     copy = _copy(saved["single"], tmp_path / "copy")
-    assert load_model(copy, "float32", "cpu").weights_digest == first
+    assert weights_digest([copy / "model.safetensors"]) == first
     assert weights_digest([copy / "model.safetensors"], chunk_bytes=1000) == first  # chunking does not matter
+    fingerprint = cache_fingerprint(copy, "float32", 16, 1, "cpu")
+    assert fingerprint.weights_digest == first and fingerprint == cache_fingerprint(saved["single"], "float32", 16, 1, "cpu")
     tensors = load_file(copy / "model.safetensors")
     tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
     save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
-    assert load_model(copy, "float32", "cpu").weights_digest != first
+    assert weights_digest([copy / "model.safetensors"]) != first
+    changed = cache_fingerprint(copy, "float32", 16, 1, "cpu")
+    assert changed.weights_digest != first and changed.root_key() != fingerprint.root_key()
+    # every field roots the keys elsewhere
+    for args in (("bfloat16", 16, 1, "cpu"), ("float32", 32, 1, "cpu"), ("float32", 16, 2, "cpu"),
+                 ("float32", 16, 1, "cuda")):
+        assert cache_fingerprint(saved["single"], *args).root_key() != fingerprint.root_key()
 
 
 def test_missing_folder_config_and_weights(saved, tmp_path):
