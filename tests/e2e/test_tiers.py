@@ -250,3 +250,33 @@ def test_6_flush_empties_every_tier(tmp_path):
     for pool in ("gpu_pages", "state_slots", "cpu_pages", "cpu_states"):
         assert after["pools"][pool]["in_use"] == 0 and after["pools"][pool]["cached"] == 0, (pool, after["pools"])
     assert after["tiers"]["disk"]["files"] == 0 and not list(disk_dir.rglob("*.hkvp"))
+
+
+def test_7_pressure_with_tiers_matches_transformers_and_flushes_clean(hybrid_reference, tmp_path):
+    """Concurrent shared-prefix requests on a small device pool: preemption, holds, lookups and
+    loads interleave; the router checks its books after every step (--log-level debug)."""
+    disk_dir = tmp_path / "pressure"
+    server, pids = _serve(["--max-total-tokens", "1024", "--max-running-requests", "8", "--cpu-cache-gb", "0.05",
+                           "--disk-cache-dir", str(disk_dir), "--log-level", "debug"], tmp_path)
+    rng = random.Random(53)
+    shared = _prompts(54, [300, 200])
+    prompts = [shared[i % 2] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 120))] for i in range(16)]
+    prompts += _prompts(55, [rng.randrange(50, 400) for _ in range(8)])
+    rng.shuffle(prompts)
+    try:
+        first = asyncio.run(_complete_all(server.url, [_body(p, 12) for p in prompts]))
+        second = asyncio.run(_complete_all(server.url, [_body(p, 12) for p in prompts]))
+        req = urllib.request.Request(f"{server.url}/cache/flush", b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200
+        after = _settled_inspect(server.name, lambda r: r["pools"]["cpu_pages"]["cached"] == 0)
+    finally:
+        _stop(server, pids)
+    assert "AssertionError" not in server.log()
+    tiers = [sum(r["usage"]["cache"][t] for r in second) for t in ("cpu", "disk")]
+    assert sum(tiers) > 0, "the second round should load some prefixes from the tiers"
+    for prompt, a, b in zip(prompts, first, second):
+        assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+        assert_greedy_parity(hybrid_reference, prompt, b["choices"][0]["token_ids"])
+    for name, pool in after["pools"].items():
+        assert pool["in_use"] == 0 and pool["total"] == pool["free"] + pool["cached"], (name, pool)
