@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -135,20 +136,72 @@ def iter_tensors(shards: list[WeightShard]) -> Iterator[tuple[str, torch.Tensor]
                     bar.update(1)
 
 
-def weights_digest(paths: list[Path], chunk_bytes: int = 1 << 20) -> str:
-    """sha256 hex over each weight file's name, size and bytes, in name order, read in streaming chunks."""
+def weights_digest(paths: list[Path], chunk_bytes: int = 1 << 20, cache: Path | None = None) -> str:
+    """sha256 hex over each weight file's name, size and sha256, in name order.
+
+    cache: a JSON file of per-file digests keyed by (resolved path, size,
+    mtime_ns, inode); a file whose stat is unchanged is not read again (a
+    large checkpoint hashes once, not at every start). Corrupt caches are
+    ignored and rewritten.
+    """
     paths = sorted(paths, key=lambda p: p.name)
+    known = _read_digest_cache(cache)
+    stats = {p: p.stat() for p in paths}
+    signature = {p: f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}" for p, st in stats.items()}
+    todo = [p for p in paths if signature[p] not in known]
+    total = sum(stats[p].st_size for p in todo)
+    with tqdm(total=total, desc="hashing weights", unit="B", unit_scale=True, file=sys.stderr,
+              disable=None if todo else True) as bar:
+        for path in todo:
+            known[signature[path]] = _file_sha256(path, chunk_bytes, bar)
     digest = hashlib.sha256()
-    total = sum(p.stat().st_size for p in paths)
-    with tqdm(total=total, desc="hashing weights", unit="B", unit_scale=True, file=sys.stderr, disable=None) as bar:
-        for path in paths:
-            size = path.stat().st_size
-            digest.update(path.name.encode() + b"\0" + size.to_bytes(8, "little"))
-            with open(path, "rb") as f:
-                while chunk := f.read(chunk_bytes):
-                    digest.update(chunk)
-                    bar.update(len(chunk))
+    for path in paths:
+        digest.update(path.name.encode() + b"\0" + stats[path].st_size.to_bytes(8, "little"))
+        digest.update(bytes.fromhex(known[signature[path]]))
+    if cache is not None and todo:
+        current = {signature[p]: known[signature[p]] for p in paths}
+        older = {k: v for k, v in known.items() if k not in current}
+        _write_digest_cache(cache, older | current)  # this checkpoint's files last: trimmed last
     return digest.hexdigest()
+
+
+def _file_sha256(path: Path, chunk_bytes: int, bar) -> str:
+    file_digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            file_digest.update(chunk)
+            bar.update(len(chunk))
+    return file_digest.hexdigest()
+
+
+_DIGEST_CACHE_MAX = 4096  # entries kept; the oldest go first
+
+
+def _read_digest_cache(cache: Path | None) -> dict[str, str]:
+    if cache is None:
+        return {}
+    try:
+        doc = json.loads(cache.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str) and len(v) == 64
+            and all(c in "0123456789abcdef" for c in v)}
+
+
+def _write_digest_cache(cache: Path, entries: dict[str, str]) -> None:
+    """Write atomically (temp file, rename), mode 0600; a failure only costs a re-hash next time."""
+    items = list(entries.items())[-_DIGEST_CACHE_MAX:]
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        temp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(dict(items), f)
+        os.replace(temp, cache)
+    except OSError:
+        pass
 
 
 def _build_empty(family: type, cfg: object, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -191,7 +244,8 @@ def meta_model(path: str | Path) -> torch.nn.Module:
         return family(family.config_class.from_hf(hf_config))
 
 
-def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, device: str):
+def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, device: str,
+                      digest_cache: Path | None = None):
     """The ModelFingerprint that roots every CPU/disk tier key (hkv/cache/keys.py).
 
     architecture: model_type + sha256 of config.json's canonical JSON; weights:
@@ -209,6 +263,6 @@ def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, dev
         file = folder / name
         if file.is_file():
             tokenizer.update(name.encode() + b"\0" + file.read_bytes())
-    weights = weights_digest([s.path for s in find_weight_shards(folder)])
+    weights = weights_digest([s.path for s in find_weight_shards(folder)], cache=digest_cache)
     # the device is part of the layout: CPU and GPU kernels round differently
     return ModelFingerprint(architecture, weights, dtype, page_size, f"tp{tp}:{device}", tokenizer.hexdigest())

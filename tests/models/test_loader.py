@@ -68,6 +68,29 @@ def test_weights_digest_is_stable_and_content_based(saved, tmp_path):
         assert cache_fingerprint(saved["single"], *args).root_key() != fingerprint.root_key()
 
 
+def test_weights_digest_cache_skips_unchanged_files(saved, tmp_path, monkeypatch):
+    from hkv.models import loader
+
+    copy = _copy(saved["single"], tmp_path / "copy")
+    weights = copy / "model.safetensors"
+    cache = tmp_path / "cache" / "digests.json"
+    reads = []
+    real = loader._file_sha256
+    monkeypatch.setattr(loader, "_file_sha256", lambda path, *a: reads.append(path) or real(path, *a))
+    plain = weights_digest([weights])
+    assert weights_digest([weights], cache=cache) == plain and reads == [weights, weights]
+    assert weights_digest([weights], cache=cache) == plain and len(reads) == 2  # unchanged: not read again
+    assert oct(cache.stat().st_mode & 0o777) == "0o600"
+    tensors = load_file(weights)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
+    save_file(tensors, weights, metadata={"format": "pt"})
+    changed = weights_digest([weights], cache=cache)
+    assert changed != plain and len(reads) == 3 and changed == weights_digest([weights])
+    cache.write_text("{not json")  # a corrupt cache is ignored and rewritten
+    assert weights_digest([weights], cache=cache) == changed and len(reads) == 5
+    assert weights_digest([weights], cache=cache) == changed and len(reads) == 5
+
+
 def test_missing_folder_config_and_weights(saved, tmp_path):
     with pytest.raises(ModelLoadError, match="model folder not found"):
         load_model(tmp_path / "nope", "float32", "cpu")
