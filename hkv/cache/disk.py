@@ -11,19 +11,8 @@ thread-safe Python: the worker calls it through `asyncio.to_thread`.
         07b2...5e-s.hkvp                         page + checkpoint at its end
         .3fa9...c1.<pid>.<random>.tmp            a write in flight, or a crash's leftover
 
-One file (little-endian; L = layout length, H = 66 + L = header length;
-docs/disk_format.md has the table and why each check exists):
-
-    0        8        12       16            32       48       56        64       66       H
-    +--------+--------+--------+-------------+--------+--------+---------+--------+--------+
-    | magic  |version |header  |fingerprint  |key     |kv_len  |state_len|layout  |layout  |
-    |hkvpage0| = 1 u32|len u32 |(root key h0)|(16 B)  |u64     |u64, 0 = |len u16 |utf-8   |
-    |        |        | = H    |(16 B)       |        |        |none     | = L    |L bytes |
-    +--------+--------+--------+-------------+--------+--------+---------+--------+--------+
-    H                     H + kv_len                H + kv_len + state_len          end
-    +---------------------+-------------------------+-------------------------------+
-    | kv bytes            | state bytes (if any)    | zlib.crc32 of [0, end-4), u32 |
-    +---------------------+-------------------------+-------------------------------+
+The file format (header, payload, crc32 trailer) lives in hkv/cache/disk_format.py
+(`PageFormat`); docs/disk_format.md has the table and why each check exists.
 
 A write goes to a temp file in the key's subdirectory, is fsynced, then
 renamed to its final name, so a reader sees a whole file or none. A read
@@ -51,36 +40,24 @@ from __future__ import annotations
 import logging
 import os
 import re
-import struct
 import threading
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from hkv.cache.disk_format import CorruptFile, PageFormat
 from hkv.cache.keys import KEY_BYTES
 
 log = logging.getLogger("hkv.cache.disk")
 
-MAGIC = b"hkvpage\0"
-VERSION = 1
-# magic, version, header length, fingerprint, key, kv_len, state_len, layout length
-_FIXED = struct.Struct("<8sII16s16sQQH")
-_FIXED_FIELDS = ("magic", "version", "header_len", "fingerprint", "key", "kv_len", "state_len", "layout_len")
-_TRAILER = struct.Struct("<I")  # zlib.crc32 of header + payload
 _ENTRY_NAME = re.compile(r"([0-9a-f]{32})(-s)?\.hkvp")
 _TEMP_NAME = re.compile(r"\.[0-9a-f]{32}\.[0-9]+\.[0-9a-f]+\.tmp")
 _SUBDIR_NAME = re.compile(r"[0-9a-f]{2}")
-_SCRATCH_BYTES = 1 << 20  # chunk for verifying a checkpoint the caller did not ask for
 _COUNTERS = ("writes", "write_errors", "reads", "hits", "misses", "corrupt", "evictions", "temp_cleaned")
 
 
 class DiskTierBusy(RuntimeError):
     """Another live process has the directory open."""
-
-
-class _CorruptFile(Exception):
-    """A file failed a check; the message names which."""
 
 
 @dataclass(eq=False, slots=True)
@@ -129,8 +106,7 @@ class DiskTier:
         self.layout: str = layout
         self.kv_len: int = kv_len
         self.state_len: int = state_len  # 0: the model keeps no checkpoints
-        self._layout_bytes: bytes = layout_bytes
-        self._header_len: int = _FIXED.size + len(layout_bytes)
+        self._format: PageFormat = PageFormat(fingerprint, layout_bytes, kv_len, state_len)
         self._lock: threading.Lock = threading.Lock()
         self._opened: bool = False
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
@@ -261,10 +237,10 @@ class DiskTier:
                 return None
         path = self._path(key, entry.has_state)
         try:
-            self._read_file(path, key, entry, kv_view, state_view)
+            self._format.read(path, key, entry.has_state, kv_view, state_view)
         except FileNotFoundError:
             return self._drop_vanished(key, entry)
-        except _CorruptFile as fault:
+        except CorruptFile as fault:
             return self._drop_corrupt(key, entry, path, str(fault))
         except OSError as exc:
             # EMFILE, EACCES, EIO...: not evidence about the file's contents, so keep it.
@@ -348,23 +324,6 @@ class DiskTier:
         name = key.hex()
         return os.path.join(self.directory, name[:2], f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
 
-    def _file_size(self, has_state: bool) -> int:
-        return self._header_len + self.kv_len + (self.state_len if has_state else 0) + _TRAILER.size
-
-    def _header(self, key: bytes, has_state: bool) -> bytes:
-        """The exact header a file of this tier for (key, has_state) must start with."""
-        state_len = self.state_len if has_state else 0
-        fixed = _FIXED.pack(MAGIC, VERSION, self._header_len, self.fingerprint, key, self.kv_len, state_len,
-                            len(self._layout_bytes))  # fmt: skip
-        return fixed + self._layout_bytes
-
-    def _header_fault(self, got: bytes, expected: bytes) -> str:
-        """Name the first header field in which `got` differs from `expected`."""
-        for name, a, b in zip(_FIXED_FIELDS, _FIXED.unpack_from(got), _FIXED.unpack_from(expected)):
-            if a != b:
-                return f"header {name} {a!r} != {b!r}"
-        return "header layout string differs"
-
     # ----- open -------------------------------------------------------------------
 
     def _subdirs(self) -> list[str]:
@@ -388,9 +347,9 @@ class DiskTier:
     def _index_found(self, file: os.DirEntry, key: bytes, has_state: bool,
                      found: dict[bytes, tuple[int, _Entry]]) -> None:  # fmt: skip
         stat = file.stat(follow_symlinks=False)
-        if (has_state and self.state_len == 0) or stat.st_size != self._file_size(has_state):
+        if (has_state and self.state_len == 0) or stat.st_size != self._format.file_size(has_state):
             log.warning("disk tier: %s has %d bytes, not this model's %d; deleted", file.path, stat.st_size,
-                        self._file_size(has_state))  # fmt: skip
+                        self._format.file_size(has_state))  # fmt: skip
             self._delete_found(file.path, "corrupt")
             return
         if key in found:
@@ -434,7 +393,7 @@ class DiskTier:
         pending = self._pending.get(key)
         if pending is not None and (pending.has_state or not has_state):
             return None, []  # an equal-or-better write of this key is in flight
-        size = self._file_size(has_state)
+        size = self._format.file_size(has_state)
         if self._pending_bytes + size > self.budget_bytes:
             return None, []  # larger than the budget, or the rest is held by writes in flight
         doomed = self._evict_for(size)
@@ -446,7 +405,8 @@ class DiskTier:
     def _write_reserved(self, key: bytes, payload: list[memoryview], reservation: _Reservation) -> bool:
         """Write the temp file, then publish it under the lock. Always releases the reservation."""
         try:
-            temp = self._write_temp(key, payload)
+            temp = self._temp_path(key)
+            self._format.write_temp(temp, key, payload)
         except OSError as exc:
             log.warning("disk tier: writing %s failed: %s", key.hex(), exc)
             with self._lock:
@@ -458,30 +418,6 @@ class DiskTier:
             written, doomed = self._publish(key, temp, reservation)
         _unlink_all(doomed)
         return written
-
-    def _write_temp(self, key: bytes, payload: list[memoryview]) -> str:
-        """Write header, payload and checksum to a new temp file and fsync it; returns its path.
-
-        On any error the temp file is removed and the error re-raised.
-        """
-        header = self._header(key, len(payload) == 2)
-        crc = zlib.crc32(header)
-        for part in payload:
-            crc = zlib.crc32(part, crc)
-        temp = self._temp_path(key)
-        fd = _create(temp)
-        try:
-            try:
-                for part in (header, *payload, _TRAILER.pack(crc)):
-                    _write_all(fd, part)
-                # Raw fd writes leave nothing buffered in user space: fsync is the only flush.
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException:
-            _unlink_all([temp])
-            raise
-        return temp
 
     def _publish(self, key: bytes, temp: str, reservation: _Reservation) -> tuple[bool, list[str]]:
         """Rename the temp file into place and index it. Lock held.
@@ -514,44 +450,6 @@ class DiskTier:
             del self._pending[key]
 
     # ----- read -------------------------------------------------------------------
-
-    def _read_file(self, path: str, key: bytes, entry: _Entry, kv_view: memoryview,
-                   state_view: memoryview | None) -> None:  # fmt: skip
-        """Read and check one file; raises _CorruptFile or OSError."""
-        # Unbuffered: readinto lands straight in the caller's buffers, no intermediate copy.
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != entry.size:
-                raise _CorruptFile(f"size {size} != {entry.size}")
-            header = bytearray(self._header_len)
-            _read_exact(f, header)
-            expected = self._header(key, entry.has_state)
-            if header != expected:
-                raise _CorruptFile(self._header_fault(header, expected))
-            crc = zlib.crc32(header)
-            _read_exact(f, kv_view)
-            crc = zlib.crc32(kv_view, crc)
-            if entry.has_state:
-                crc = self._read_state(f, state_view, crc)
-            trailer = bytearray(_TRAILER.size)
-            _read_exact(f, trailer)
-            (stored,) = _TRAILER.unpack(trailer)
-            if stored != crc:
-                raise _CorruptFile(f"checksum {stored:#010x} != computed {crc:#010x}")
-
-    def _read_state(self, f, state_view: memoryview | None, crc: int) -> int:
-        """Read the checkpoint into `state_view`, or through a scratch buffer; returns the running crc."""
-        if state_view is not None:
-            _read_exact(f, state_view)
-            return zlib.crc32(state_view, crc)
-        scratch = memoryview(bytearray(min(self.state_len, _SCRATCH_BYTES)))
-        left = self.state_len
-        while left:
-            chunk = scratch[: min(left, len(scratch))]
-            _read_exact(f, chunk)
-            crc = zlib.crc32(chunk, crc)
-            left -= len(chunk)
-        return crc
 
     def _drop_corrupt(self, key: bytes, entry: _Entry, path: str, reason: str) -> None:
         log.warning("disk tier: %s is corrupt (%s); deleted", path, reason)
@@ -647,32 +545,6 @@ def _byte_view(buffer, nbytes: int, what: str, writable: bool) -> memoryview:
     if writable and view.readonly:
         raise ValueError(f"{what} is read-only")
     return view
-
-
-def _create(path: str) -> int:
-    """Open a new file 0600 for writing, creating its subdirectory (0700) on first use."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    try:
-        return os.open(path, flags, 0o600)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        return os.open(path, flags, 0o600)
-
-
-def _write_all(fd: int, data) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _read_exact(f, view) -> None:
-    """Fill `view` from `f`; a short file (changed since its size was checked) is corrupt."""
-    view = memoryview(view)
-    while view:
-        n = f.readinto(view)
-        if not n:
-            raise _CorruptFile("file ended early")
-        view = view[n:]
 
 
 def _touch(path: str) -> None:
