@@ -4,7 +4,8 @@ Pure Python: no device memory, sockets or processes. The scheduler calls only
 `CacheCoordinator`; see docs/cache.md.
 """
 
-from hkv.cache.coordinator import CacheCoordinator, Phase, RequestState, Transaction
+from hkv.cache.coordinator import CacheCoordinator
+from hkv.cache.transaction import Phase, RequestState, Transaction
 from hkv.cache.errors import CacheError, CapacityError, TransactionError
 from hkv.cache.keys import ModelFingerprint, page_key, page_keys
 from hkv.cache.pools import IdPool, PagePool, SlotPool

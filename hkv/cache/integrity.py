@@ -18,7 +18,8 @@ from hkv.cache.pools import IdPool
 from hkv.cache.radix import Checkpoint, Node, RadixTree
 
 if TYPE_CHECKING:
-    from hkv.cache.coordinator import CacheCoordinator, RequestState
+    from hkv.cache.coordinator import CacheCoordinator
+    from hkv.cache.transaction import RequestState
 
 
 class _Holders:
@@ -61,7 +62,7 @@ def _add_disjoint(into: set[int], ids, what: str) -> None:
 
 
 def _check_request(coord: "CacheCoordinator", req: "RequestState", holders: _Holders) -> None:
-    from hkv.cache.coordinator import Phase
+    from hkv.cache.transaction import Phase
 
     name, P = f"request {req.req_id}", coord.spec.page_size
     txn = coord._txn

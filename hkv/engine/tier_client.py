@@ -20,7 +20,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable
 
-from hkv.cache.coordinator import CacheCoordinator, Hold
+from hkv.cache.coordinator import CacheCoordinator
+from hkv.cache.transaction import Hold
 from hkv.cache.keys import page_keys
 from hkv.cache.types import CacheOp, StorePages, StoreState
 from hkv.ipc.messages import (
