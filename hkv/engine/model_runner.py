@@ -18,6 +18,7 @@ from hkv.engine.sampler import SampleRow, sample
 from hkv.ipc.messages import Sampled, SamplingParams, StepPlan, StepResult
 from hkv.ipc.request_table import RequestTable
 from hkv.models.batch import ForwardBatch
+from hkv_kernels.dispatch import copy_blocks  # imports no kernel until a CUDA tensor asks
 
 
 class ModelRunner:
@@ -97,8 +98,6 @@ class ModelRunner:
     def _copy_pages(self, to_host: bool, pages: list[int], entries: list[int]) -> None:
         """Pages between the device pool and the CPU tier: K and V of every layer in one copy.
         Out-of-range pairs are skipped by the copy."""
-        from hkv_kernels.dispatch import copy_blocks
-
         if self.host is None or len(pages) != len(entries):
             raise ValueError("a tier copy without a CPU tier, or with unequal index lists")
         if not pages:
@@ -112,8 +111,6 @@ class ModelRunner:
 
     def _copy_state(self, to_host: bool, slot: int, entry: int) -> None:
         """One checkpoint between a state slot and a CPU-tier state entry."""
-        from hkv_kernels.dispatch import copy_blocks
-
         if self.host is None or self.state is None or self.host.conv is None:
             raise ValueError("a state copy without a CPU tier or a state pool")
         if not (0 <= slot < self.state.num_slots and 0 <= entry < self.host.layout.num_states):

@@ -51,12 +51,6 @@ class TierHit:
         return len(self.entries) - start if 0 <= start < len(self.entries) else 0
 
 
-@dataclass
-class Offload:
-    hold: Hold
-    pages: tuple[int, ...]  # device pages of the held prefix, in order
-
-
 class TierClient:
     """Lookups and offloads for one router; every outgoing message lands in `outbox`."""
 
@@ -70,7 +64,7 @@ class TierClient:
         self.hybrid = hybrid
         self.outbox: list[TierInbound] = []
         self.waiting_lookups: dict[int, int | None] = {}  # lookup id -> req id (None: it left), until TierFound
-        self.offloads: dict[int, Offload] = {}  # offload id -> its hold, until TierReserved
+        self.offloads: dict[int, Hold] = {}  # offload id -> the hold on its pages, until TierReserved
         self.skipped_offloads = 0  # publishes not copied out (too many in flight)
         self._ids = itertools.count(1)
         self._next_plan: list[Callable[[bool], None]] = []  # run once the next plan's ops ran
@@ -152,25 +146,24 @@ class TierClient:
             return False
         keys = self.keys(known, token_ids, hold.length // self.page_size)
         offload_id = next(self._ids)
-        self.offloads[offload_id] = Offload(hold, hold.pages)
+        self.offloads[offload_id] = hold
         self.outbox.append(TierReserve(offload_id, keys, hold.checkpoint is not None))
         return True
 
     def reserved(self, msg: TierReserved) -> list[CacheOp]:
         """The copy ops for a reservation (for the next plan); the commit and unhold follow that plan."""
-        offload = self.offloads.pop(msg.offload_id, None)
-        if offload is None:
+        hold = self.offloads.pop(msg.offload_id, None)
+        if hold is None:
             return []
-        pairs = [(page, entry) for page, entry in zip(offload.pages, msg.entries) if entry is not None]
+        pairs = [(page, entry) for page, entry in zip(hold.pages, msg.entries) if entry is not None]
         ops: list[CacheOp] = []
-        ckpt = offload.hold.checkpoint
-        valid = (len(msg.entries) == len(offload.pages) and all(0 <= e < self.num_entries for _, e in pairs)
+        ckpt = hold.checkpoint
+        valid = (len(msg.entries) == len(hold.pages) and all(0 <= e < self.num_entries for _, e in pairs)
                  and (msg.state_entry is None or (ckpt is not None and 0 <= msg.state_entry < self.num_states)))
         if valid and pairs:
             ops.append(StorePages([p for p, _ in pairs], [e for _, e in pairs]))
         if valid and msg.state_entry is not None:
             ops.append(StoreState(ckpt.slot, msg.state_entry))
-        hold = offload.hold
         if not ops:
             self.coord.unhold(hold)
             if msg.state_entry is not None or any(e is not None for e in msg.entries):

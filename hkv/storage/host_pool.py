@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -178,8 +179,6 @@ def tier_layout(cfg) -> tuple[HostLayout, bytes]:
     state = model.state_layout(1, device="cpu", dtype="float32") if c.hybrid else None
     share = min(1.0, 2 * c.page_size / c.checkpoint_interval) if c.hybrid else 0.0
     layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), share)
-    from pathlib import Path
-
     digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start
     fingerprint = cache_fingerprint(cfg.model.path, cfg.model.dtype, c.page_size, cfg.model.tp, cfg.model.device,
                                     digest_cache=digests)
