@@ -28,6 +28,7 @@ import time
 import torch
 
 from hkv.engine.model_runner import ModelRunner
+from hkv.models.loader import meta_model_of
 from hkv.storage.host_pool import HostLayout, HostPool
 from hkv.storage.kv_pool import KVLayout, KVPool
 from hkv.storage.state_pool import StateLayout, StatePool
@@ -37,11 +38,7 @@ GB = 1e9
 
 
 def _layouts(device: str, quick: bool) -> tuple[KVLayout, StateLayout]:
-    from hkv.models.registry import resolve_family
-
-    family = resolve_family(QWEN3_5_9B)
-    with torch.device("meta"):
-        model = family(family.config_class.from_hf(QWEN3_5_9B))
+    model = meta_model_of(QWEN3_5_9B)
     pages = 256 if quick else 2048
     kv = model.kv_layout(pages, 16, "bfloat16", device)
     state = model.state_layout(4, device=device, dtype="float32")

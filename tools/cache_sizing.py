@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hkv.models.registry import resolve_family
+from hkv.models.loader import meta_model_of
 
 # Qwen/Qwen3.5-9B config.json, text part (published on the model's card).
 QWEN3_5_9B = {
@@ -36,9 +36,7 @@ QWEN3_5_9B["layer_types"] = QWEN3_5_9B["layer_types"] * 8
 def sizing(hf_config: dict, kv_dtype: str = "bfloat16", state_dtype: str = "float32",
            page_size: int = 16, budget_gib: float = 8.0) -> dict:
     text_cfg = hf_config.get("text_config", hf_config)
-    family = resolve_family(hf_config)
-    with torch.device("meta"):
-        model = family(family.config_class.from_hf(hf_config))
+    model = meta_model_of(hf_config)
     kv = model.kv_layout(1, page_size, kv_dtype, "meta")
     state = model.state_layout(1, device="meta", dtype=state_dtype)
     kv_per_token = kv.bytes_per_page() // page_size

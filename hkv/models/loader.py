@@ -238,7 +238,11 @@ def load_model(path: str | Path, dtype: str, device: str) -> LoadedModel:
 
 def meta_model(path: str | Path) -> torch.nn.Module:
     """The checkpoint's model family built on the meta device: layouts without weights or memory."""
-    hf_config = read_hf_config(Path(path))
+    return meta_model_of(read_hf_config(Path(path)))
+
+
+def meta_model_of(hf_config: dict) -> torch.nn.Module:
+    """The model family of a config.json dict, on the meta device (nothing allocated)."""
     family = resolve_family(hf_config)
     with torch.device("meta"):
         return family(family.config_class.from_hf(hf_config))
