@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import zmq.asyncio
 
 from hkv.cache.cpu_tier import CpuTier, Entry
+from hkv.cache.keys import KEY_BYTES
 from hkv.config import HkvConfig
 from hkv.ipc import json_block
 from hkv.ipc.channel import Receiver, Sender
@@ -136,12 +137,12 @@ class CacheWorker:
             run    [ pinned ........................ ]            hybrid: cut back to the deepest checkpoint
         """
         self.counters.lookups += 1
-        if msg.lookup_id in self.lookup_pins or any(len(k) != 16 for k in msg.keys):
+        if msg.lookup_id in self.lookup_pins or any(len(k) != KEY_BYTES for k in msg.keys):
             self.counters.malformed += 1
             return TierFound(msg.lookup_id, msg.first, [], [], None)
         run = self._plan_run(msg.keys, msg.need_state)
         entries, from_disk = self._pin_run(run, msg.need_state)
-        entries, from_disk = await self._read_disk(entries, from_disk, msg.need_state)
+        entries, from_disk = await self._read_disk(entries, from_disk)
         if msg.need_state:
             entries, from_disk = self._cut_to_state(entries, from_disk)
         if not entries:
@@ -191,19 +192,30 @@ class CacheWorker:
             entries.append(entry)
         return entries, [not entry.valid for entry in entries]
 
-    async def _read_disk(self, entries: list[Entry], from_disk: list[bool], need_state: bool):
-        """Fill the reserved entries from disk; the run ends before the first one that fails."""
-        for i, (entry, disk) in enumerate(zip(entries, from_disk)):
-            if not disk:
-                continue
-            state_out = self.host.state_view(entry.state) if entry.state is not None else None
-            got = await asyncio.to_thread(self.disk.read_into, entry.key, self.host.page_view(entry.page), state_out)
+    async def _read_disk(self, entries: list[Entry], from_disk: list[bool]):
+        """Fill the reserved entries from disk (one worker-thread hop for the run); the run ends
+        before the first entry that is missing or corrupt."""
+        jobs = [(i, e.key, self.host.page_view(e.page), self.host.state_view(e.state) if e.state is not None else None)
+                for i, (e, disk) in enumerate(zip(entries, from_disk)) if disk]
+        if not jobs:
+            return entries, from_disk
+        failed = await asyncio.to_thread(self._read_files, jobs)
+        end = len(entries) if failed is None else failed
+        for entry in entries[:end]:
+            if not entry.valid:
+                self.cpu.fill(entry)
+        if failed is not None:
+            self.counters.disk_read_failed += 1
+            self._unpin_all(entries[failed:])
+        return entries[:end], from_disk[:end]
+
+    def _read_files(self, jobs) -> int | None:
+        """(In a worker thread.) Read each job's file into its entry; the index of the first failure, or None."""
+        for i, key, page_out, state_out in jobs:
+            got = self.disk.read_into(key, page_out, state_out)
             if got is None or (state_out is not None and not got):
-                self.counters.disk_read_failed += 1
-                self._unpin_all(entries[i:])
-                return entries[:i], from_disk[:i]
-            self.cpu.fill(entry)
-        return entries, from_disk
+                return i
+        return None
 
     def _cut_to_state(self, entries: list[Entry], from_disk: list[bool]):
         """A hybrid run must end at a checkpoint: cut back to the deepest entry with a state."""
@@ -231,7 +243,7 @@ class CacheWorker:
 
     def reserve(self, msg: TierReserve) -> TierReserved:
         """Reserve entries for the keys not held yet; stops at the first key no entry can take."""
-        if msg.offload_id in self.offloads or any(len(k) != 16 for k in msg.keys):
+        if msg.offload_id in self.offloads or any(len(k) != KEY_BYTES for k in msg.keys):
             self.counters.malformed += 1
             return TierReserved(msg.offload_id, [None] * len(msg.keys), None)
         out: list[int | None] = []
