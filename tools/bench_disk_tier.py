@@ -97,9 +97,6 @@ def page_keys(n: int) -> list[bytes]:
     return [hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest() for i in range(n)]
 
 
-# ----- the two sides ------------------------------------------------------------------
-
-
 def write_baseline(path: str, work: Workload, kv: bytes, state: bytes) -> float:
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -166,9 +163,6 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-# ----- page cache -----------------------------------------------------------------------
-
-
 def drop_from_page_cache(paths: list[str]) -> None:
     """Evict clean (fsynced) pages of these files: the unprivileged stand-in for drop_caches."""
     for path in paths:
@@ -206,9 +200,6 @@ def resident_fraction(paths: list[str]) -> float | None:
 
 def tier_files(directory: str) -> list[str]:
     return [str(p) for p in Path(directory).glob("??/*.hkvp")]
-
-
-# ----- checksums --------------------------------------------------------------------------
 
 
 def checksum_speeds(nbytes: int) -> dict[str, float]:
@@ -250,9 +241,6 @@ def _timed(fn, data) -> float:
     start = time.perf_counter()
     fn(data)
     return time.perf_counter() - start
-
-
-# ----- main ---------------------------------------------------------------------------------
 
 
 PHASES = ("write+fsync", "read cold", "read warm")

@@ -117,8 +117,6 @@ class DiskTier:
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._lock_fd: int | None = None  # the flock on <dir>/.hkv-lock while open
 
-    # ----- public API -------------------------------------------------------------
-
     def open(self) -> None:
         """Create the directory, delete temp leftovers, index the entries, evict to budget.
 
@@ -314,8 +312,6 @@ class DiskTier:
             counts = self._counts
             assert counts["reads"] == counts["hits"] + counts["misses"], f"reads != hits + misses: {counts}"
 
-    # ----- layout -----------------------------------------------------------------
-
     def _path(self, key: bytes, has_state: bool) -> str:
         name = key.hex()
         return os.path.join(self.directory, name[:2], f"{name}-s.hkvp" if has_state else f"{name}.hkvp")
@@ -323,8 +319,6 @@ class DiskTier:
     def _temp_path(self, key: bytes) -> str:
         name = key.hex()
         return os.path.join(self.directory, name[:2], f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-
-    # ----- open -------------------------------------------------------------------
 
     def _subdirs(self) -> list[str]:
         with os.scandir(self.directory) as it:
@@ -374,8 +368,6 @@ class DiskTier:
                     if _ENTRY_NAME.fullmatch(f.name) and f.name.startswith(os.path.basename(subdir)):
                         listing[f.path] = f.stat(follow_symlinks=False).st_size
         return listing
-
-    # ----- write ------------------------------------------------------------------
 
     def _covering_entry(self, key: bytes, has_state: bool) -> _Entry | None:
         """The indexed entry that makes writing (key, has_state) pointless, if any. Lock held."""
@@ -449,8 +441,6 @@ class DiskTier:
         if self._pending.get(key) is reservation:
             del self._pending[key]
 
-    # ----- read -------------------------------------------------------------------
-
     def _drop_corrupt(self, key: bytes, entry: _Entry, path: str, reason: str) -> None:
         log.warning("disk tier: %s is corrupt (%s); deleted", path, reason)
         with self._lock:
@@ -476,8 +466,6 @@ class DiskTier:
         with self._lock:
             self._counts["misses"] += 1
         return None
-
-    # ----- eviction ---------------------------------------------------------------
 
     def _evict_for(self, size: int) -> list[str]:
         """Evict LRU entries until `size` more bytes fit beside the writes in flight. Lock held.
@@ -511,8 +499,6 @@ class DiskTier:
             log.warning("disk tier: could not remove %s: %s", path, exc)
             return None
         return doomed
-
-    # ----- checks -----------------------------------------------------------------
 
     def _require_open(self) -> None:
         if not self._opened:

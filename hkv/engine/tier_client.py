@@ -70,8 +70,6 @@ class TierClient:
         self._next_plan: list[Callable[[bool], None]] = []  # run once the next plan's ops ran
         self._by_step: dict[int, list[Callable[[bool], None]]] = {}
 
-    # ---- keys ---------------------------------------------------------------------------
-
     def keys(self, known: list[bytes], token_ids: list[int], pages: int) -> list[bytes]:
         """Chained keys of pages [0, pages), extending the cached list `known` in place."""
         if len(known) < pages:
@@ -79,8 +77,6 @@ class TierClient:
             parent = known[-1] if known else self.root_key
             known += page_keys(parent, token_ids[len(known) * P : pages * P], P)
         return known[:pages]
-
-    # ---- lookups ----------------------------------------------------------------------------
 
     def lookup(self, req_id: int, known: list[bytes], prompt_ids: list[int], device_hit: int) -> bool:
         """Ask for the run past the device hit; False when the prompt has no page left to look up."""
@@ -131,8 +127,6 @@ class TierClient:
             if waiting == req_id:
                 self.waiting_lookups[lookup_id] = None
 
-    # ---- offloads -----------------------------------------------------------------------------
-
     def offload(self, req_id: int, known: list[bytes], token_ids: list[int]) -> bool:
         """Copy the request's published prefix out to the CPU tier (hybrid: it must end at a checkpoint)."""
         if len(self.coord.holds) >= MAX_OFFLOADS:
@@ -176,8 +170,6 @@ class TierClient:
 
         self._next_plan.append(done)
         return ops
-
-    # ---- plans ----------------------------------------------------------------------------------
 
     def has_pending(self) -> bool:
         """Actions wait for a plan to carry their ops."""

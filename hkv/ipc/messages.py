@@ -29,7 +29,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token's logprob plus the top n
 
 
-# ---- api -> router -------------------------------------------------------------
+# api -> router
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
@@ -55,7 +55,7 @@ class FlushCache(msgspec.Struct, frozen=True, tag="flush"):
 Inbound = GenerateRequest | AbortRequest | FlushCache
 
 
-# ---- router -> api -------------------------------------------------------------
+# router -> api
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -105,7 +105,7 @@ class CacheFlushed(msgspec.Struct, frozen=True, tag="flushed"):
 Outbound = TokenBatch | EngineState | CacheFlushed
 
 
-# ---- router -> cache worker ------------------------------------------------------
+# router -> cache worker
 
 
 class TierLookup(msgspec.Struct, frozen=True, tag="tier_lookup"):
@@ -158,7 +158,7 @@ class TierFlush(msgspec.Struct, frozen=True, tag="tier_flush"):
 TierInbound = TierLookup | TierRelease | TierReserve | TierCommit | TierFlush
 
 
-# ---- cache worker -> router ------------------------------------------------------
+# cache worker -> router
 
 
 class TierFound(msgspec.Struct, frozen=True, tag="tier_found"):
@@ -195,7 +195,7 @@ TierOutbound = TierFound | TierReserved | TierFlushed
 RouterInbound = Inbound | TierOutbound
 
 
-# ---- router -> rank ------------------------------------------------------------
+# router -> rank
 
 
 class NewSequence(msgspec.Struct, frozen=True, array_like=True):
@@ -239,7 +239,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
 RankInbound = StepPlan | Shutdown
 
 
-# ---- rank -> router ------------------------------------------------------------
+# rank -> router
 
 
 class Sampled(msgspec.Struct, frozen=True, array_like=True):

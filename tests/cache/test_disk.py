@@ -77,9 +77,6 @@ def counts(tier: DiskTier, *names: str) -> tuple[int, ...]:
     return tuple(stats[n] for n in names)
 
 
-# ----- round trips and the format ---------------------------------------------------
-
-
 def test_round_trip_without_state(tmp_path):
     tier = tier_at(tmp_path)
     assert tier.write(key(1), kv(1), None) is True
@@ -137,9 +134,6 @@ def test_permissions(tmp_path):
     tier.write(key(1), kv(1), None)
     assert (root.stat().st_mode & 0o777, (root / key(1).hex()[:2]).stat().st_mode & 0o777) == (0o700, 0o700)
     assert path(root, key(1)).stat().st_mode & 0o777 == 0o600
-
-
-# ----- restart ------------------------------------------------------------------------
 
 
 def test_reopen_sees_entries_and_orders_lru_by_mtime(tmp_path):
@@ -217,9 +211,6 @@ def test_open_deletes_wrong_size_files_and_shadowed_stateless_files(tmp_path):
     assert read(reopened, key(2))[0] is True
 
 
-# ----- corruption ---------------------------------------------------------------------
-
-
 def _flip(offset):
     def corrupt(data: bytes) -> bytes:
         out = bytearray(data)
@@ -294,9 +285,6 @@ def test_vanished_file_is_a_miss_not_corruption(tmp_path):
     assert read(tier, key(1))[0] is None
     assert counts(tier, "misses", "corrupt", "files", "bytes") == (1, 0, 0, 0)
     assert tier.write(key(1), kv(1), None) is True
-
-
-# ----- writes -------------------------------------------------------------------------
 
 
 def test_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
@@ -474,9 +462,6 @@ def test_concurrent_writers_keep_index_and_directory_consistent(tmp_path):
     assert sum(STATEFUL if n.endswith("-s.hkvp") else PLAIN for n in listing) == stats["bytes"]
     assert stats["bytes"] <= stats["budget_bytes"]
     assert temp_files(tmp_path) == []
-
-
-# ----- validation ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

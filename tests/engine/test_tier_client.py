@@ -31,9 +31,6 @@ def admit_and_publish(tc: TierClient, rid: int, tokens: list[int], checkpoint=Fa
     return published
 
 
-# ---- keys and lookups ---------------------------------------------------------------------------
-
-
 def test_keys_chain_from_the_root_and_extend_the_known_list():
     tc = client()
     tokens = [5, 6, 7, 8, 9, 10, 11]
@@ -169,9 +166,6 @@ def test_release_after_the_plan_waits_for_its_step():
     assert tc.take_outbox() == [TierRelease(5)]
     tc.step_done(3, True)  # once
     assert tc.take_outbox() == []
-
-
-# ---- offloads ---------------------------------------------------------------------------------
 
 
 def test_offload_holds_the_published_prefix_and_asks_for_entries():

@@ -47,7 +47,6 @@ def _completion(prompt: Any, **extra: Any) -> dict[str, Any]:
 _USER = [{"role": "user", "content": "hi"}]
 
 MALFORMED_CASES: list[MalformedCase] = [
-    # ---- bytes that are not a JSON object
     MalformedCase("truncated json", COMPLETIONS, b'{"prompt": "hi", ', 400),
     MalformedCase("empty body", COMPLETIONS, b"", 400),
     MalformedCase("json array body", COMPLETIONS, [1, 2, 3], 400),
@@ -58,7 +57,6 @@ MALFORMED_CASES: list[MalformedCase] = [
     MalformedCase("NaN temperature", COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', 400),
     MalformedCase("infinite top_p", COMPLETIONS, b'{"prompt": "hi", "top_p": 1e999}', 400),
     MalformedCase("64 MB body", COMPLETIONS, b'{"prompt": "' + b"a" * HUGE_BODY_BYTES + b'"}', 413),
-    # ---- prompts
     MalformedCase("missing prompt", COMPLETIONS, {"max_tokens": 4}, 400),
     MalformedCase("prompt is a number", COMPLETIONS, _completion(5), 400),
     MalformedCase("empty prompt string", COMPLETIONS, _completion(""), 400),
@@ -71,7 +69,6 @@ MALFORMED_CASES: list[MalformedCase] = [
     MalformedCase("negative token id", COMPLETIONS, _completion([1, -1]), 400),
     MalformedCase("over-long prompt", COMPLETIONS, _completion([1] * 1_000_000), 400),
     MalformedCase("max_tokens beyond context", COMPLETIONS, _completion("hi", max_tokens=10**9), 400),
-    # ---- wrong types and ranges
     MalformedCase("bool max_tokens", COMPLETIONS, _completion("hi", max_tokens=True), 400),
     MalformedCase("string max_tokens", COMPLETIONS, _completion("hi", max_tokens="4"), 400),
     MalformedCase("float max_tokens", COMPLETIONS, _completion("hi", max_tokens=3.5), 400),
@@ -99,7 +96,6 @@ MALFORMED_CASES: list[MalformedCase] = [
     MalformedCase("echo unsupported", COMPLETIONS, _completion("hi", echo=True), 400),
     MalformedCase("model not a string", COMPLETIONS, _completion("hi", model=7), 400),
     MalformedCase("unknown model", COMPLETIONS, _completion("hi", model="no-such-model"), 404),
-    # ---- chat messages
     MalformedCase("missing messages", CHAT, {"max_tokens": 4}, 400),
     MalformedCase("messages not a list", CHAT, _chat({"role": "user", "content": "hi"}), 400),
     MalformedCase("empty messages", CHAT, _chat([]), 400),
@@ -115,7 +111,6 @@ MALFORMED_CASES: list[MalformedCase] = [
         400,
     ),
     MalformedCase("text part without text", CHAT, _chat([{"role": "user", "content": [{"type": "text"}]}]), 400),
-    # ---- routes and methods
     MalformedCase("unknown route", "/v1/nope", _completion("hi"), 404),
     MalformedCase("GET on a POST route", COMPLETIONS, b"", 405, method="GET"),
 ]

@@ -114,9 +114,6 @@ def test_long_output_compacts_without_changing_text(tok):
     assert "".join(_stream(tok, ids, [1] * len(ids))) == text
 
 
-# ---- StopMatcher ------------------------------------------------------------
-
-
 def test_stop_string_spanning_deltas():
     m = StopMatcher(["STOP"])
     assert m.feed("abc ST") == "abc "
@@ -180,9 +177,6 @@ def test_streamed_text_equals_whole_text_with_stops(seed):
     out = "".join(streamed)
     assert out == expected
     assert not any(s in out for s in stops)
-
-
-# ---- ChoiceState: detokenizer + stops + token accounting -------------------
 
 
 def _delta(req_id, ids, finish=None):
