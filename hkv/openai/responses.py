@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
+import msgspec
 
 from hkv.ipc.messages import TopLogprob
 from hkv.openai.detok import Decoder
@@ -22,11 +22,11 @@ DONE_FRAME = b"data: [DONE]\n\n"
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": error_type, "param": param, "code": code}})
+    return msgspec.json.encode({"error": {"message": message, "type": error_type, "param": param, "code": code}})
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 def error_frame(message: str, error_type: str) -> bytes:
@@ -112,7 +112,7 @@ class _Format:
     def response(self, gen: Generation) -> bytes:
         body = self._envelope(self.object_full, [self._full_choice(c) for c in gen.choices])
         body["usage"] = gen.usage()
-        return orjson.dumps(body)
+        return msgspec.json.encode(body)
 
     def start_frames(self, gen: Generation) -> bytes:
         return b""
