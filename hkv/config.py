@@ -1,27 +1,70 @@
 """Configuration: frozen dataclasses built once from the command line.
 
-`parse_cli(argv)` validates flags, resolves every "auto" value and returns one
-frozen `HkvConfig`. Children receive it as JSON (`to_json` / `from_json`) and
-never parse flags or read the environment themselves. This is the only module
-that reads environment variables.
+`parse_cli(argv)` validates flags, reads the model's description once
+(config.json and the tokenizer, through `hkv.models.loader.describe_model`),
+resolves every "auto" value and returns one frozen `HkvConfig`. Children
+receive it as JSON (`to_json` / `from_json`, msgspec) and never parse flags,
+read config.json for facts, or read the environment themselves. This is the
+only module that reads environment variables.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import msgspec
 
 BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LAYER_KINDS = ("full", "linear")  # full attention (KV pages) or linear attention (state slots)
 
 
 class ConfigError(ValueError):
     """A bad flag or flag combination; the CLI prints it as one line and exits 2."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What every actor needs to know about the served model, read once at the CLI.
+
+    Built by `hkv.models.loader.describe_model` from config.json (through the
+    model family's own parser, so the rank builds exactly this model) and the
+    tokenizer (EOS ids). Nothing else parses config.json to learn these facts.
+    """
+
+    family: str  # config.json model_type
+    layer_kinds: tuple[str, ...]  # per model layer, one of LAYER_KINDS
+    vocab_size: int
+    max_context: int  # max_position_embeddings: prompt + output tokens of one sequence
+    eos_ids: tuple[int, ...]  # generation config, config.json and the tokenizer's eos_token
+    hidden_size: int
+    num_heads: int  # attention query heads
+    num_kv_heads: int
+    head_dim: int
+    linear_k_heads: int = 0  # Gated DeltaNet key heads (0 for dense models)
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_kernel: int = 0  # GDN causal conv width
+    declared_dtype: str | None = None  # config.json's dtype / torch_dtype, if any
+
+    @property
+    def hybrid(self) -> bool:
+        """The model has linear-attention layers (state slots, checkpoints)."""
+        return "linear" in self.layer_kinds
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "full")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_kinds) if kind == "linear")
 
 
 @dataclass(frozen=True)
@@ -33,7 +76,11 @@ class ModelConfig:
     tp: int
     seed: int
     cpu_threads: int  # torch intra-op threads of a CPU rank (leaves cores to the api and router)
-    max_context: int  # the model's context length (max_position_embeddings)
+    spec: ModelSpec  # the model's description
+
+    @property
+    def max_context(self) -> int:
+        return self.spec.max_context
 
 
 @dataclass(frozen=True)
@@ -41,7 +88,7 @@ class CacheConfig:
     page_size: int
     max_total_tokens: int  # device KV capacity in tokens (a multiple of page_size)
     prefix_cache: bool
-    hybrid: bool  # the model has linear-attention layers (state slots, checkpoints)
+    hybrid: bool  # the model has linear-attention layers (ModelSpec.hybrid)
     checkpoint_interval: int | None  # hybrid: tokens between checkpoints; None for dense models
     state_slots: int  # hybrid: linear-state slots, live states and checkpoints together; 0 for dense
     cpu_cache_gb: float  # CPU tier (shm page pool) size; 0 = no tiers
@@ -97,23 +144,12 @@ class HkvConfig:
     builtin_cache_dir: str = field(default="")  # where built-in models are written
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return msgspec.json.encode(self).decode()
 
     @classmethod
-    def from_json(cls, text: str) -> "HkvConfig":
-        raw = json.loads(text)
-        server = raw["server"]
-        server["prefill_urls"] = tuple(server["prefill_urls"])
-        server["decode_urls"] = tuple(server["decode_urls"])
-        return cls(
-            model=ModelConfig(**raw["model"]),
-            cache=CacheConfig(**raw["cache"]),
-            scheduler=SchedulerConfig(**raw["scheduler"]),
-            spec=SpecConfig(**raw["spec"]),
-            server=ServerConfig(**raw["server"]),
-            run_dir=raw["run_dir"],
-            builtin_cache_dir=raw["builtin_cache_dir"],
-        )
+    def from_json(cls, text: str | bytes) -> "HkvConfig":
+        """The config a launcher wrote; msgspec checks every field's type on the way in."""
+        return msgspec.json.decode(text, type=cls)
 
     def ipc_address(self, link: str) -> str:
         """The ipc:// endpoint of one link inside this instance's private run directory."""
@@ -152,63 +188,138 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one clear line, exit 2
         print(f"hkv-launch: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
 
+PENDING = "Not implemented yet: giving it exits 2."
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="tiny-hybrid",
+                   help="an HF checkpoint folder, or a built-in model: tiny-hybrid, tiny-dense (default: tiny-hybrid)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the ranks run (default: cuda when a CUDA device is visible, else cpu)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights and KV dtype (default: auto = float32 on cpu, else the checkpoint's, else bfloat16)")
+    g.add_argument("--tp", type=_positive_int, default=1,
+                   help=f"tensor-parallel ranks (default: 1). Values above 1: {PENDING.lower()}")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the ranks' torch generators; sampling seeds are per request (default: 0)")
+
+
+def _cache_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cache")
+    g.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page (default: 16)")
+    g.add_argument("--max-total-tokens", type=_positive_int, default=None,
+                   help="device KV capacity in tokens, a multiple of --page-size (default: 32768 on cpu, 262144 on cuda)")
+    g.add_argument("--checkpoint-interval", type=_positive_int, default=None,
+                   help="hybrid models: tokens between saved linear-state checkpoints, a multiple of --page-size "
+                        "(default: 16 pages)")
+    g.add_argument("--state-slots", type=_positive_int, default=None,
+                   help="hybrid models: linear-state slots for live states and checkpoints together "
+                        "(default: 3 x --max-running-requests on cpu, that + 64 on cuda)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="turn prefix reuse off: nothing is matched or kept (default: on)")
+
+
+def _tier_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tiers")
+    g.add_argument("--cpu-cache-gb", type=_non_negative_float, default=0.0,
+                   help="CPU tier size in GiB of shared memory; 0 = no CPU or disk tier (default: 0)")
+    g.add_argument("--disk-cache-dir", default=None,
+                   help="folder of the disk tier behind the CPU tier (default: none, no disk tier)")
+    g.add_argument("--disk-cache-gb", type=_non_negative_float, default=None,
+                   help=f"disk tier budget in GiB (default: {DEFAULT_DISK_CACHE_GB:g} when --disk-cache-dir is given)")
+
+
+def _scheduling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--max-running-requests", type=_positive_int, default=None,
+                   help="sequences in the running batch at once (default: 32 on cpu, 256 on cuda)")
+    g.add_argument("--chunked-prefill-size", type=_positive_int, default=None,
+                   help="tokens per step across all sequences, prefill chunks included (default: 512 on cpu, "
+                        "8192 on cuda)")
+    g.add_argument("--spec-tokens", type=_non_negative_int, default=0,
+                   help=f"MTP draft tokens per step; 0 = off (default: 0). Values above 0: {PENDING.lower()}")
+    g.add_argument("--draft-window", type=_non_negative_int, default=None,
+                   help=f"positions of draft-layer KV kept per request; 0 = full length (default: 0). {PENDING}")
+    g.add_argument("--no-cuda-graph", action="store_true", help=f"run decode steps eagerly on CUDA (default: graphs on). {PENDING}")
+    g.add_argument("--cuda-graph-max-bs", type=_positive_int, default=None,
+                   help=f"largest decode batch captured in a CUDA graph (default: --max-running-requests). {PENDING}")
+    g.add_argument("--gpu-memory-fraction", type=_fraction, default=None,
+                   help=f"share of GPU memory for weights, graphs and cache pools (default: 0.9). {PENDING}")
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="interface the HTTP api binds (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    g.add_argument("--name", default=None,
+                   help="instance name; shared memory is /hkv-<name>-<region> (default: hkv<port>)")
+    g.add_argument("--request-timeout", type=_non_negative_float, default=None,
+                   help=f"seconds to read a request body (default: 30). {PENDING}")
+    g.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="log level of every actor; debug also checks the cache books after every step (default: info)")
+
+
+def _pd_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--mode", choices=("normal", "prefill", "decode", "pd-master"), default="normal",
+                   help=f"instance role (default: normal). Other values: {PENDING.lower()}")
+    g.add_argument("--prefill-url", action="append", default=[],
+                   help=f"pd-master: a prefill instance's URL, repeatable (default: none). {PENDING}")
+    g.add_argument("--decode-url", action="append", default=[],
+                   help=f"pd-master: a decode instance's URL, repeatable (default: none). {PENDING}")
+
+
+def _security_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security")
+    g.add_argument("--api-key", default=None,
+                   help="bearer key every request must carry (default: $HKV_API_KEY, else none)")
+    g.add_argument("--api-key-file", default=None, help=f"read the api key from this file (default: none). {PENDING}")
+    g.add_argument("--admin-key", default=None,
+                   help=f"bearer key for POST /cache/flush (default: the api key). {PENDING}")
+    g.add_argument("--secret-file", default=None,
+                   help=f"file holding the HMAC secret of cross-host control messages (default: none). {PENDING}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hkv-launch", description="Serve a language model with hkv.")
-    p.add_argument("--model", default="tiny-hybrid", help="checkpoint folder, tiny-hybrid or tiny-dense")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--name", default=None, help="instance name (default: hkv<port>)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--tp", type=_positive_int, default=1)
-    p.add_argument("--page-size", type=_positive_int, default=16)
-    p.add_argument("--max-total-tokens", type=_positive_int, default=None)
-    p.add_argument("--max-running-requests", type=_positive_int, default=None)
-    p.add_argument("--chunked-prefill-size", type=_positive_int, default=None)
-    p.add_argument("--checkpoint-interval", type=_positive_int, default=None)
-    p.add_argument("--state-slots", type=_positive_int, default=None)
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--cpu-cache-gb", type=_non_negative_float, default=0.0)
-    p.add_argument("--disk-cache-dir", default=None)
-    p.add_argument("--disk-cache-gb", type=_non_negative_float, default=None)
-    p.add_argument("--spec-tokens", type=_non_negative_int, default=0)
-    p.add_argument("--draft-window", type=_non_negative_int, default=None)
-    p.add_argument("--mode", choices=("normal", "prefill", "decode", "pd-master"), default="normal")
-    p.add_argument("--prefill-url", action="append", default=[])
-    p.add_argument("--decode-url", action="append", default=[])
-    p.add_argument("--secret-file", default=None)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p = _Parser(prog="hkv-launch", description="Serve a language model with hkv (OpenAI-compatible HTTP).")
+    for group in (_model_flags, _cache_flags, _tier_flags, _scheduling_flags, _server_flags, _pd_flags,
+                  _security_flags):
+        group(p)
     return p
 
 
 def _not_built_yet(args: argparse.Namespace) -> list[str]:
     """Flags whose features have not landed: refusing them beats silently ignoring them."""
-    pending = []
-    if args.tp != 1:
-        pending.append("--tp")
-    for flag, value in (
-        ("--draft-window", args.draft_window),
-        ("--secret-file", args.secret_file),
-    ):
-        if value is not None:
-            pending.append(flag)
-    if args.spec_tokens > 0:
-        pending.append("--spec-tokens")
-    if args.mode != "normal":
-        pending.append("--mode")
-    if args.prefill_url:
-        pending.append("--prefill-url")
-    if args.decode_url:
-        pending.append("--decode-url")
-    return pending
+    given = {
+        "--tp": args.tp != 1,
+        "--spec-tokens": args.spec_tokens > 0,
+        "--draft-window": args.draft_window is not None,
+        "--no-cuda-graph": args.no_cuda_graph,
+        "--cuda-graph-max-bs": args.cuda_graph_max_bs is not None,
+        "--gpu-memory-fraction": args.gpu_memory_fraction is not None,
+        "--request-timeout": args.request_timeout is not None,
+        "--mode": args.mode != "normal",
+        "--prefill-url": bool(args.prefill_url),
+        "--decode-url": bool(args.decode_url),
+        "--api-key-file": args.api_key_file is not None,
+        "--admin-key": args.admin_key is not None,
+        "--secret-file": args.secret_file is not None,
+    }
+    return [flag for flag, set_ in given.items() if set_]
 
 
 def _check_combinations(args: argparse.Namespace) -> None:
@@ -246,23 +357,14 @@ def _check_tiers(args: argparse.Namespace) -> None:
         raise ConfigError(f"--disk-cache-dir {args.disk_cache_dir}: exists and is not a directory")
 
 
-def _read_hf_config(model_path: str) -> dict:
+def _describe(path: str) -> ModelSpec:
+    """The model's description; a checkpoint hkv cannot serve is a ConfigError (exit 2)."""
+    from hkv.models.loader import describe_model
+
     try:
-        hf = json.loads(Path(model_path, "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--model {model_path}: unreadable config.json ({exc})") from None
-    return hf.get("text_config", hf)
-
-
-def _max_context(text_cfg: dict) -> int:
-    value = text_cfg.get("max_position_embeddings")
-    if not isinstance(value, int) or value < 2:
-        raise ConfigError(f"config.json: max_position_embeddings must be an integer >= 2, got {value!r}")
-    return value
-
-
-def _is_hybrid(text_cfg: dict) -> bool:
-    return "linear_attention" in (text_cfg.get("layer_types") or ())
+        return describe_model(path)
+    except (OSError, ValueError) as exc:  # ModelLoadError, TokenizerError and family parse errors are ValueErrors
+        raise ConfigError(f"--model {path}: {exc}") from None
 
 
 def _resolve_checkpoints(
@@ -301,14 +403,13 @@ def _resolve_device(requested: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _resolve_dtype(requested: str, device: str, text_cfg: dict) -> str:
+def _resolve_dtype(requested: str, device: str, declared: str | None) -> str:
     if requested != "auto":
         if device == "cpu" and requested == "float16":
             raise ConfigError("--dtype float16 is not supported on --device cpu")
         return requested
     if device == "cpu":
         return "float32"
-    declared = text_cfg.get("dtype") or text_cfg.get("torch_dtype") or "bfloat16"
     return declared if declared in DTYPES[1:] else "bfloat16"
 
 
@@ -327,8 +428,40 @@ def _resolve_model_path(model: str, cache_dir: str) -> str:
     return str(Path(model).resolve())
 
 
+def _cache_config(args: argparse.Namespace, spec: ModelSpec, max_running: int, on_cpu: bool) -> CacheConfig:
+    interval, state_slots = _resolve_checkpoints(args, spec.hybrid, max_running, on_cpu)
+    return CacheConfig(
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens or (32768 if on_cpu else 262144),
+        prefix_cache=not args.no_prefix_cache,
+        hybrid=spec.hybrid,
+        checkpoint_interval=interval,
+        state_slots=state_slots,
+        cpu_cache_gb=args.cpu_cache_gb,
+        disk_cache_dir=str(Path(args.disk_cache_dir).resolve()) if args.disk_cache_dir else None,
+        disk_cache_gb=(args.disk_cache_gb or DEFAULT_DISK_CACHE_GB) if args.disk_cache_dir else None,
+    )
+
+
+def _server_config(args: argparse.Namespace, name: str) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        name=name,
+        mode=args.mode,
+        prefill_urls=tuple(args.prefill_url),
+        decode_urls=tuple(args.decode_url),
+        secret_file=args.secret_file,
+        api_key=args.api_key or os.environ.get("HKV_API_KEY") or None,
+        log_level=args.log_level,
+        max_body_bytes=8 * 1024 * 1024,
+        drain_timeout_s=60.0,
+    )
+
+
 def parse_cli(argv: list[str] | None = None) -> HkvConfig:
-    """Parse and validate flags, resolve "auto" values; raises ConfigError or exits 2."""
+    """Parse and validate flags, read the model's description, resolve "auto" values;
+    raises ConfigError or exits 2."""
     args = build_parser().parse_args(argv)
     pending = _not_built_yet(args)
     if pending:
@@ -337,47 +470,23 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     device = _resolve_device(args.device)
     cache_dir = builtin_cache_dir()
     path = _resolve_model_path(args.model, cache_dir)
-    text_cfg = _read_hf_config(path)
-    dtype = _resolve_dtype(args.dtype, device, text_cfg)
+    spec = _describe(path)
+    dtype = _resolve_dtype(args.dtype, device, spec.declared_dtype)
     name = args.name or f"hkv{args.port}"
     on_cpu = device == "cpu"
-    max_total = args.max_total_tokens or (32768 if on_cpu else 262144)
     max_running = args.max_running_requests or (32 if on_cpu else 256)
-    hybrid = _is_hybrid(text_cfg)
-    interval, state_slots = _resolve_checkpoints(args, hybrid, max_running, on_cpu)
+    cache = _cache_config(args, spec, max_running, on_cpu)
     run_dir = tempfile.mkdtemp(prefix=f"hkv-{name}-")  # mode 0700
     return HkvConfig(
-        model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), _max_context(text_cfg)),
-        cache=CacheConfig(
-            page_size=args.page_size,
-            max_total_tokens=max_total,
-            prefix_cache=not args.no_prefix_cache,
-            hybrid=hybrid,
-            checkpoint_interval=interval,
-            state_slots=state_slots,
-            cpu_cache_gb=args.cpu_cache_gb,
-            disk_cache_dir=str(Path(args.disk_cache_dir).resolve()) if args.disk_cache_dir else None,
-            disk_cache_gb=(args.disk_cache_gb or DEFAULT_DISK_CACHE_GB) if args.disk_cache_dir else None,
-        ),
+        model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec),
+        cache=cache,
         scheduler=SchedulerConfig(
             max_running_requests=max_running,
             chunked_prefill_size=args.chunked_prefill_size or (512 if on_cpu else 8192),
             max_queued_requests=4096,
         ),
         spec=SpecConfig(args.spec_tokens, args.draft_window),
-        server=ServerConfig(
-            host=args.host,
-            port=args.port,
-            name=name,
-            mode=args.mode,
-            prefill_urls=tuple(args.prefill_url),
-            decode_urls=tuple(args.decode_url),
-            secret_file=args.secret_file,
-            api_key=args.api_key or os.environ.get("HKV_API_KEY") or None,
-            log_level=args.log_level,
-            max_body_bytes=8 * 1024 * 1024,
-            drain_timeout_s=60.0,
-        ),
+        server=_server_config(args, name),
         run_dir=run_dir,
         builtin_cache_dir=cache_dir,
     )

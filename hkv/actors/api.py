@@ -27,7 +27,6 @@ from typing import Any
 
 import jinja2
 import msgspec
-import orjson
 import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -76,7 +75,7 @@ def _error(
 
 
 def _json(payload: dict[str, Any], status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+    return web.Response(status=status, body=msgspec.json.encode(payload), content_type="application/json")
 
 
 def _endpoint(request: web.Request) -> str:
@@ -114,8 +113,6 @@ class Api:
         app.router.add_post("/cache/flush", self.cache_flush)
         return app
 
-    # ---- middlewares -------------------------------------------------------
-
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every failure becomes OpenAI error JSON; only our own bugs are 5xx."""
@@ -148,8 +145,6 @@ class Api:
                 message = "Invalid or missing API key (send Authorization: Bearer <key>)."
                 raise ProtocolError(401, message, None, "invalid_api_key")
         return await handler(request)
-
-    # ---- generation endpoints ----------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
@@ -280,8 +275,6 @@ class Api:
             self.metrics.observe_request(_endpoint(request), 500)
         return response
 
-    # ---- other endpoints ---------------------------------------------------
-
     async def models(self, request: web.Request) -> web.Response:
         card = {
             "id": self.limits.model_id,
@@ -317,8 +310,6 @@ class Api:
             raise ProtocolError(503, "the router did not answer the flush in time", None, "busy") from None
         return _json({"flushed": True, "pages": done.pages, "checkpoints": done.checkpoints,
                       "cpu_pages": done.cpu_pages, "disk_files": done.disk_files})
-
-    # ---- drain ---------------------------------------------------------------
 
     def _enter(self) -> None:
         self._active += 1
@@ -393,7 +384,9 @@ def _site_url(runner: web.AppRunner) -> str:
 async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     """Actor body: serve HTTP until ctx.stop, then drain and return."""
     tokenizer = Tokenizer.from_folder(cfg.model.path)
-    limits = ModelLimits.from_checkpoint(cfg.model.path, cfg.model.model, cfg.cache.max_total_tokens)
+    spec = cfg.model.spec
+    limits = ModelLimits.of(cfg.model.model, cfg.model.path, spec.vocab_size, spec.max_context,
+                            cfg.cache.max_total_tokens)
     zctx = zmq.asyncio.Context()
     try:
         async with contextlib.AsyncExitStack() as stack:

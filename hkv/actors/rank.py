@@ -33,6 +33,9 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRun
     if cfg.model.device == "cpu":
         torch.set_num_threads(cfg.model.cpu_threads)
     loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
+    if tuple(sorted(loaded.model.layer_map)) != cfg.model.spec.full_layers:
+        raise ValueError(f"the checkpoint's attention layers {sorted(loaded.model.layer_map)} differ from the "
+                         f"description the launcher read ({cfg.model.spec.full_layers}): was it replaced?")
     layout = loaded.model.kv_layout(cfg.cache.num_pages, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
     kv = KVPool(layout, loaded.model.layer_map)
     log.info("KV pool: %d pages x %d tokens, %.1f MiB", layout.num_pages, layout.page_size,

@@ -55,13 +55,6 @@ STEP_EMA_WEIGHT = 0.2
 RADIX_LIST_MAX = 2048  # checkpoint nodes listed; ~60 bytes each fits RADIX_BYTES
 
 
-def eos_ids(path: str) -> frozenset[int]:
-    """EOS ids of a checkpoint folder (config, generation config and tokenizer config)."""
-    from hkv.models.tokenizer import Tokenizer
-
-    return frozenset(Tokenizer.from_folder(path).eos_token_ids)
-
-
 @dataclass(frozen=True)
 class StepDone:
     """A step whose result is in but whose tokens are not yet streamed."""
@@ -90,7 +83,7 @@ class Router:
             max_running=cfg.scheduler.max_running_requests,
             token_budget=cfg.scheduler.chunked_prefill_size,
             max_context=cfg.model.max_context,
-            eos_ids=eos_ids(cfg.model.path),
+            eos_ids=frozenset(cfg.model.spec.eos_ids),
             hybrid=c.hybrid,
             checkpoint_interval=c.checkpoint_interval,
         )

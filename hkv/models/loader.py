@@ -1,5 +1,6 @@
-"""Load an HF checkpoint folder: config.json, safetensors weights (single or sharded), eos ids;
-and the cache fingerprint (weights digest included) for the CPU/disk tiers.
+"""Load an HF checkpoint folder: config.json, safetensors weights (single or sharded); the
+model's description for the config (describe_model); and the cache fingerprint (weights
+digest included) for the CPU/disk tiers.
 
 Weights are read with safetensors' `safe_open` only (never pickle). The model
 is built on the meta device and materialized on the target device in the
@@ -20,8 +21,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from hkv.config import ModelSpec
 from hkv.models.registry import resolve_family
-from hkv.models.tokenizer import checkpoint_eos_ids
+from hkv.models.tokenizer import Tokenizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # checkpoint tensor dtypes we cast from; anything else is a quantized format we do not run
@@ -37,8 +39,6 @@ class ModelLoadError(ValueError):
 class LoadedModel:
     model: torch.nn.Module  # a family class from the registry, in eval mode, on the requested device/dtype
     hf_config: dict  # config.json as read
-    max_context: int  # longest sequence (prompt + output) the model supports: max_position_embeddings
-    eos_token_ids: tuple[int, ...]  # from generation_config.json then config.json, deduplicated
 
 
 @dataclass(frozen=True)
@@ -228,11 +228,39 @@ def load_model(path: str | Path, dtype: str, device: str) -> LoadedModel:
     model = _build_empty(family, cfg, TORCH_DTYPES[dtype], device)
     model.load_weights(iter_tensors(shards))
     model.eval()
-    return LoadedModel(
-        model=model,
-        hf_config=hf_config,
-        max_context=cfg.max_position_embeddings,
-        eos_token_ids=checkpoint_eos_ids(folder),
+    return LoadedModel(model=model, hf_config=hf_config)
+
+
+def describe_model(path: str | Path) -> ModelSpec:
+    """The served model's description (hkv.config.ModelSpec): the family's own parse of
+    config.json plus the tokenizer's EOS ids. The CLI calls this once; actors read the result.
+
+    Raises ModelLoadError (or the family's ValueError) for a checkpoint hkv cannot serve.
+    """
+    folder = Path(path)
+    hf_config = read_hf_config(folder)
+    family = resolve_family(hf_config)
+    try:
+        cfg = family.config_class.from_hf(hf_config)
+    except KeyError as exc:
+        raise ModelLoadError(f"{folder}/config.json: missing {exc}") from None
+    if not isinstance(cfg.max_position_embeddings, int) or cfg.max_position_embeddings < 2:
+        raise ModelLoadError(f"{folder}/config.json: max_position_embeddings must be an integer >= 2, "
+                             f"got {cfg.max_position_embeddings!r}")
+    layer_types = getattr(cfg, "layer_types", ("full_attention",) * cfg.num_hidden_layers)
+    kinds = tuple("linear" if t == "linear_attention" else "full" for t in layer_types)
+    text = hf_config.get("text_config") or hf_config
+    declared = text.get("dtype") or text.get("torch_dtype") or hf_config.get("dtype") or hf_config.get("torch_dtype")
+    linear = {}
+    if "linear" in kinds:
+        linear = dict(linear_k_heads=cfg.linear_num_key_heads, linear_v_heads=cfg.linear_num_value_heads,
+                      linear_k_dim=cfg.linear_key_head_dim, linear_v_dim=cfg.linear_value_head_dim,
+                      conv_kernel=cfg.linear_conv_kernel_dim)
+    return ModelSpec(
+        family=hf_config["model_type"], layer_kinds=kinds, vocab_size=cfg.vocab_size,
+        max_context=cfg.max_position_embeddings, eos_ids=Tokenizer.from_folder(folder).eos_token_ids,
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, declared_dtype=declared if isinstance(declared, str) else None, **linear,
     )
 
 

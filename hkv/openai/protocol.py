@@ -18,14 +18,13 @@ the context and the KV cache.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
+import msgspec
 
 from hkv.ipc.messages import SamplingParams
 
@@ -80,18 +79,10 @@ class ModelLimits:
         return name == self.model_id or name in self.aliases
 
     @classmethod
-    def from_checkpoint(cls, folder: str | Path, model_id: str, kv_capacity: int) -> "ModelLimits":
-        """Read vocab_size and max_position_embeddings from config.json (text_config for composites)."""
-        raw = json.loads(Path(folder, "config.json").read_text(encoding="utf-8"))
-        text_cfg = raw.get("text_config") or {}
-        vocab = raw.get("vocab_size") or text_cfg.get("vocab_size")
-        if not isinstance(vocab, int) or vocab <= 0:
-            raise ValueError(f"{folder}/config.json: no positive vocab_size")
-        context = raw.get("max_position_embeddings") or text_cfg.get("max_position_embeddings")
-        if not isinstance(context, int) or context <= 0:
-            context = kv_capacity  # no declared limit: the cache is the only bound
+    def of(cls, model_id: str, folder: str, vocab_size: int, context_len: int, kv_capacity: int) -> "ModelLimits":
+        """The limits of the served model (its id, checkpoint folder and description's figures)."""
         aliases = frozenset({str(folder), str(Path(folder).resolve())})
-        return cls(model_id, aliases, vocab, context, kv_capacity)
+        return cls(model_id, aliases, vocab_size, context_len, kv_capacity)
 
 
 @dataclass(frozen=True)
@@ -142,8 +133,8 @@ class SequencePlan:
 def decode_body(body: bytes) -> dict[str, Any]:
     """Raw bytes -> JSON object; invalid UTF-8, lone surrogates, NaN and inf are refused."""
     try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nesting past the decoder's depth
         try:
             body.decode("utf-8")
         except UnicodeDecodeError:
@@ -152,9 +143,6 @@ def decode_body(body: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise _bad(None, "request body must be a JSON object")
     return obj
-
-
-# ---- typed field readers ------------------------------------------------------
 
 
 def _opt_int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
@@ -191,9 +179,6 @@ def _opt_bool(body: dict, name: str) -> bool | None:
 def _json_type(value: Any) -> str:
     names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
     return names.get(type(value), type(value).__name__)
-
-
-# ---- shared fields ------------------------------------------------------------
 
 
 def _check_model(body: dict, limits: ModelLimits) -> None:
@@ -280,9 +265,6 @@ def _options(body: dict, limits: ModelLimits, max_tokens: int | None, logprobs: 
     )
 
 
-# ---- /v1/completions ----------------------------------------------------------
-
-
 def parse_completion(body: dict[str, Any], limits: ModelLimits) -> CompletionRequest:
     """Validate a /v1/completions body (prompt shapes, ranges, model)."""
     _check_model(body, limits)
@@ -333,9 +315,6 @@ def _id_prompt(ids: list, vocab_size: int) -> tuple[int, ...]:
         pos, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
         raise _bad("prompt", f"token id {token} at position {pos} is outside the vocabulary [0, {vocab_size})")
     return tuple(ids)
-
-
-# ---- /v1/chat/completions -----------------------------------------------------
 
 
 def parse_chat(body: dict[str, Any], limits: ModelLimits) -> ChatRequest:
@@ -392,9 +371,6 @@ def _content(value: Any, role: str, param: str) -> str:
             raise _bad(f"{param}[{j}]", f"`{param}[{j}]` must be a text part {{\"type\": \"text\", \"text\": ...}}")
         texts.append(part["text"])
     return "\n".join(texts)
-
-
-# ---- token counts and fan-out -------------------------------------------------
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, limits: ModelLimits, default_cap: int | None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
@@ -13,11 +14,11 @@ from dataclasses import dataclass
 
 import aiohttp
 import openai
-import orjson
 import pytest
 
 from hkv.config import CacheConfig, HkvConfig, ModelConfig, SchedulerConfig, ServerConfig, SpecConfig
 from hkv.ipc.process import ActorContext
+from hkv.models.loader import describe_model
 from hkv.actors.api import serve
 from tests.actors.fake_router import EOS_AFTER, SCRIPT, FakeRouter
 from tests.openai.malformed_cases import MALFORMED_CASES
@@ -43,7 +44,8 @@ def make_cfg(run_dir: str, **server: object) -> HkvConfig:
         drain_timeout_s=5.0,
     )
     return HkvConfig(
-        model=ModelConfig("tiny-dense", str(tiny_dense_folder()), "float32", "cpu", 1, 0, 1, 4096),
+        model=ModelConfig("tiny-dense", str(tiny_dense_folder()), "float32", "cpu", 1, 0, 1,
+                          describe_model(tiny_dense_folder())),
         cache=CacheConfig(16, 4096, True, False, None, 0, 0.0, None, None),
         scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=512, max_queued_requests=64),
         spec=SpecConfig(0, None),
@@ -72,7 +74,7 @@ class Harness:
             async for line in resp.content:
                 if line.startswith(b"data: "):
                     data = line[6:].strip()
-                    events.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+                    events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
         assert events[-1] == "[DONE]"
         return events
 
@@ -89,7 +91,7 @@ async def _wait_ready(status_r: int, task: asyncio.Task) -> str:
                 task.result()
                 raise AssertionError("serve returned before it was ready")
             with contextlib.suppress(BlockingIOError):
-                return orjson.loads(os.read(status_r, 4096).splitlines()[0])["ready"]["url"]
+                return json.loads(os.read(status_r, 4096).splitlines()[0])["ready"]["url"]
             await asyncio.sleep(0.01)
 
 
@@ -146,9 +148,6 @@ def _stream_text(events: list, index: int = 0, chat: bool = False) -> str:
     return "".join(parts)
 
 
-# ---- malformed input ----------------------------------------------------------
-
-
 async def test_malformed_cases_get_4xx_and_server_keeps_serving(api):
     for case in MALFORMED_CASES:
         async with api.http.request(
@@ -175,9 +174,6 @@ async def test_error_bodies_are_openai_json(api):
         assert "POST" in resp.headers["Allow"]
     status, body = await api.post("/v1/completions", {"prompt": "hi", "model": "gpt-9"})
     assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
-
-
-# ---- responses ----------------------------------------------------------------
 
 
 async def test_completion_non_streaming_shape(api):
@@ -316,9 +312,6 @@ async def test_logprobs_shapes(api):
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == 3 and set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"}
     assert len(content[0]["top_logprobs"]) == 1
-
-
-# ---- lifecycle -------------------------------------------------------------------
 
 
 async def test_client_disconnect_aborts_stream(api):

@@ -6,10 +6,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hkv.models.loader import ModelLoadError, cache_fingerprint, load_model, weights_digest
+from hkv.models.loader import ModelLoadError, cache_fingerprint, describe_model, load_model, weights_digest
 from hkv.models.qwen3 import WeightLoadError
 from hkv.models.registry import FAMILIES, resolve_family
+from hkv.models.tokenizer import Tokenizer
 from tests.models.test_qwen3 import hf_tiny_qwen3
+from tests.openai.tokenizer_fixture import tiny_dense_folder
+from tests.reference import copy_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +45,50 @@ def test_single_and_sharded_load_the_same_weights(saved):
 
 def test_loaded_model_metadata(saved):
     loaded = load_model(saved["single"], "bfloat16", "cpu")
-    assert loaded.max_context == 512
-    assert loaded.eos_token_ids == (7, 5)  # generation_config first, then config.json, deduplicated
     assert loaded.hf_config["model_type"] == "qwen3"
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+
+
+def test_describe_a_dense_model(saved, tmp_path):
+    folder = _copy(saved["single"], tmp_path / "dense")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # not its generation_config.json
+        shutil.copy(tiny_dense_folder() / name, folder / name)
+    spec = describe_model(folder)
+    assert (spec.family, spec.hybrid, spec.layer_kinds) == ("qwen3", False, ("full",) * 3)
+    assert spec.max_context == 512 and spec.vocab_size == loaded_vocab(folder)
+    # generation_config first, then config.json, then the tokenizer's eos_token; deduplicated
+    assert spec.eos_ids[:2] == (7, 5) and spec.eos_ids == Tokenizer.from_folder(folder).eos_token_ids
+    assert spec.linear_layers == () and spec.conv_kernel == 0
+
+
+def loaded_vocab(folder: Path) -> int:
+    return json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+@pytest.mark.parametrize("layer_types", [None, ["linear_attention", "full_attention"] * 2])
+def test_describe_a_hybrid_model_from_its_interval_or_its_layer_types(tmp_path, layer_types):
+    """A Qwen3.5 config with only full_attention_interval is the hybrid it is (issue 10's bug)."""
+    text = dict(model_type="qwen3_5_text", vocab_size=300, hidden_size=32, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+                full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+    if layer_types is not None:
+        text["layer_types"] = layer_types
+    (tmp_path / "config.json").write_text(json.dumps(text))
+    copy_tokenizer(tiny_dense_folder(), tmp_path)
+    spec = describe_model(tmp_path)
+    assert spec.layer_kinds == ("linear", "full", "linear", "full") and spec.hybrid
+    assert (spec.linear_layers, spec.full_layers) == ((0, 2), (1, 3))
+    assert (spec.linear_k_heads, spec.linear_v_heads, spec.linear_k_dim, spec.conv_kernel) == (2, 4, 8, 4)
+
+
+def test_describe_refuses_what_cannot_be_served(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 5}))
+    with pytest.raises(ModelLoadError, match="missing"):
+        describe_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        describe_model(tmp_path)
 
 
 def test_weights_digest_is_stable_and_content_based(saved, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hkv.models.loader import load_model
+from hkv.models.loader import describe_model, load_model
 from hkv.models.tiny import ensure_builtin
 from hkv.storage.kv_pool import KVPool
 from tests.models.test_qwen3 import make_seqs, run_paged
@@ -88,7 +88,8 @@ def test_tiny_dense_matches_transformers(built):
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     loaded = load_model(built["tiny-dense"], "float32", "cpu")
-    assert loaded.max_context == 4096 and loaded.eos_token_ids == (2, 0)
+    spec = describe_model(folder)
+    assert spec.max_context == 4096 and spec.eos_ids == (2, 0)
     assert loaded.hf_config["vocab_size"] == 1536
     model = loaded.model
     seqs = make_seqs(1536, [(37, 4, 0), (10, 6, 1)], seed=11)

@@ -18,6 +18,7 @@ from hkv.openai.protocol import (
     plan_sequences,
     resolve_max_tokens,
 )
+from hkv.models.loader import describe_model
 from tests.openai.malformed_cases import CHAT, COMPLETIONS, MALFORMED_CASES
 from tests.openai.tokenizer_fixture import tiny_dense_folder, tiny_tokenizer
 
@@ -29,9 +30,6 @@ def _err(fn, *args) -> ProtocolError:
     with pytest.raises(ProtocolError) as info:
         fn(*args)
     return info.value
-
-
-# ---- body decoding ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -52,9 +50,6 @@ def test_decode_body_refuses(raw, fragment):
 
 def test_decode_body_accepts_surrogate_pairs():
     assert decode_body(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "😀"}
-
-
-# ---- /v1/completions ---------------------------------------------------------
 
 
 def test_completion_defaults():
@@ -160,9 +155,6 @@ def test_too_many_sequences():
     assert err.param == "n"
 
 
-# ---- /v1/chat/completions ----------------------------------------------------
-
-
 def test_chat_messages_and_parts():
     body = {
         "messages": [
@@ -225,9 +217,6 @@ def test_chat_message_errors(messages, param):
     assert (err.status, err.param) == (400, param)
 
 
-# ---- token counts and fan-out ------------------------------------------------
-
-
 def test_default_max_tokens():
     assert resolve_max_tokens(10, None, LIMITS, COMPLETION_DEFAULT_MAX_TOKENS) == 16
     assert resolve_max_tokens(40, None, LIMITS, COMPLETION_DEFAULT_MAX_TOKENS) == 8  # capped by the KV room
@@ -267,22 +256,11 @@ def test_plan_sequences_draws_seed_and_wraps_negative():
     assert [p.sampling.seed for p in plan_sequences([1], req.options, LIMITS, 16, base_seed=5)] == [2**63 - 1, 0]
 
 
-def test_limits_from_checkpoint(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 77, "max_position_embeddings": 9}}))
-    limits = ModelLimits.from_checkpoint(tmp_path, "m", kv_capacity=100)
+def test_limits_of_the_served_model(tmp_path):
+    limits = ModelLimits.of("m", str(tmp_path), vocab_size=77, context_len=9, kv_capacity=100)
     assert (limits.vocab_size, limits.context_len, limits.max_seq_len) == (77, 9, 9)
-    assert limits.accepts_model(str(tmp_path)) and limits.accepts_model("m")
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 5}))
-    assert ModelLimits.from_checkpoint(tmp_path, "m", kv_capacity=100).context_len == 100
-
-
-def test_limits_refuse_config_without_vocab(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError):
-        ModelLimits.from_checkpoint(tmp_path, "m", kv_capacity=100)
-
-
-# ---- the shared malformed cases, below HTTP ----------------------------------
+    assert limits.accepts_model(str(tmp_path)) and limits.accepts_model("m") and not limits.accepts_model("x")
+    assert ModelLimits.of("m", str(tmp_path), 5, context_len=1000, kv_capacity=100).max_seq_len == 100
 
 
 def _validate_like_the_api(case, limits, tokenizer):
@@ -306,7 +284,8 @@ PROTOCOL_CASES = [
 @pytest.mark.parametrize("case", PROTOCOL_CASES, ids=lambda c: c.name)
 def test_malformed_cases_raise_protocol_errors(case):
     folder = tiny_dense_folder()
-    limits = ModelLimits.from_checkpoint(folder, "tiny-dense", kv_capacity=4096)
+    spec = describe_model(folder)
+    limits = ModelLimits.of("tiny-dense", str(folder), spec.vocab_size, spec.max_context, kv_capacity=4096)
     err = _err(_validate_like_the_api, case, limits, tiny_tokenizer())
     assert err.status == case.status
     assert err.message

@@ -1,0 +1,85 @@
+"""hkv/config.py: the CLI's flags, their help, the model description and the config's JSON round trip."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+
+from hkv.config import ConfigError, HkvConfig, build_parser, parse_cli
+from tests.openai.tokenizer_fixture import tiny_dense_folder
+
+# DESIGN.md section 6: the public flag names
+CONTRACT_FLAGS = """--model --host --port --name --device --dtype --tp --page-size --max-total-tokens
+--max-running-requests --chunked-prefill-size --checkpoint-interval --state-slots --no-prefix-cache
+--cpu-cache-gb --disk-cache-dir --disk-cache-gb --spec-tokens --draft-window --mode --prefill-url
+--decode-url --secret-file --api-key --api-key-file --admin-key --request-timeout --no-cuda-graph
+--cuda-graph-max-bs --gpu-memory-fraction --seed --log-level""".split()
+
+
+def _flags():
+    return [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+
+
+def test_every_contract_flag_exists_and_has_help_with_its_default():
+    flags = {a.option_strings[0]: a for a in _flags()}
+    assert set(CONTRACT_FLAGS) <= set(flags)
+    for name, action in flags.items():
+        assert action.help and re.search(r"\(default: [^)]+\)", action.help), name
+
+
+def test_help_groups_the_flags():
+    text = build_parser().format_help()
+    for group in ("model:", "cache:", "tiers:", "scheduling:", "server:", "prefill/decode disaggregation:",
+                  "security:"):
+        assert group in text
+    pending = {"--tp", "--spec-tokens", "--draft-window", "--no-cuda-graph", "--cuda-graph-max-bs",
+               "--gpu-memory-fraction", "--request-timeout", "--mode", "--prefill-url", "--decode-url",
+               "--api-key-file", "--admin-key", "--secret-file"}
+    for action in _flags():
+        said = "not implemented yet" in action.help.lower()
+        assert said == (action.option_strings[0] in pending), action.option_strings[0]
+
+
+@pytest.mark.parametrize("argv", [["--tp", "2"], ["--spec-tokens", "1"], ["--mode", "decode"], ["--no-cuda-graph"],
+                                  ["--admin-key", "k"], ["--request-timeout", "5"], ["--gpu-memory-fraction", "0.5"]])
+def test_flags_not_built_yet_are_refused(argv):
+    with pytest.raises(ConfigError, match=f"not implemented yet: {argv[0]}"):
+        parse_cli(["--device", "cpu", *argv])
+
+
+def _qwen3_5_folder(tmp_path, **extra):
+    text = dict(model_type="qwen3_5_text", vocab_size=1536, hidden_size=32, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+                full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, **extra)
+    (tmp_path / "config.json").write_text(json.dumps(text))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_dense_folder() / name, tmp_path / name)
+    return tmp_path
+
+
+def test_a_config_with_only_full_attention_interval_is_hybrid(tmp_path):
+    cfg = parse_cli(["--device", "cpu", "--model", str(_qwen3_5_folder(tmp_path)), "--max-running-requests", "4"])
+    shutil.rmtree(cfg.run_dir)
+    assert cfg.cache.hybrid and cfg.model.spec.hybrid
+    assert cfg.model.spec.layer_kinds == ("linear", "full", "linear", "full")
+    assert cfg.cache.state_slots == 12 and cfg.cache.checkpoint_interval == 256
+    assert cfg.model.max_context == 1024 and cfg.model.spec.vocab_size == 1536
+
+
+def test_config_json_round_trip_keeps_every_field(tmp_path):
+    cfg = parse_cli(["--device", "cpu", "--model", str(_qwen3_5_folder(tmp_path)), "--cpu-cache-gb", "0.5",
+                     "--disk-cache-dir", str(tmp_path / "disk")])
+    shutil.rmtree(cfg.run_dir)
+    again = HkvConfig.from_json(cfg.to_json())
+    assert again == cfg and isinstance(again.model.spec.layer_kinds, tuple)
+    assert again.cache.disk_cache_gb == 16.0
+
+
+def test_a_model_it_cannot_describe_exits_with_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="unsupported model_type 'llama'"):
+        parse_cli(["--device", "cpu", "--model", str(tmp_path)])
