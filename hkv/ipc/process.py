@@ -40,7 +40,6 @@ class ActorContext:
     status_fd: int
     stop: asyncio.Event = field(default_factory=asyncio.Event)  # set: leave now (after draining)
     launcher_gone: bool = False  # the lifeline broke: nobody else will clean up
-    stop_reason: str = ""
 
     def ready(self, **info) -> None:
         """Tell the launcher this actor serves."""
@@ -52,7 +51,6 @@ class ActorContext:
 
     def request_stop(self, reason: str) -> None:
         if not self.stop.is_set():
-            self.stop_reason = reason
             log.info("%s: stopping (%s)", self.name, reason)
             self.stop.set()
 
