@@ -216,7 +216,10 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         kv.write(self.layer_idx, batch.slot_mapping, k, v)
-        out = dispatch.paged_attention(q, kv, self.layer_idx, batch, self.scale)  # [T, Hq, D]
+        s = kv.layer_map[self.layer_idx]
+        out = dispatch.paged_attention(
+            q, kv.k[s], kv.v[s], batch.page_table, batch.q_lens, batch.kv_lens, self.scale
+        )  # [T, Hq, D]
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))  # [T, Hq * D]
         return self.o_proj(out)
 
