@@ -22,9 +22,10 @@ the recurrent one; a prompt split into chunks anywhere gives the unsplit
 result up to float rounding.
 
 Kernels: attention and the GDN conv + delta rule go through
-`hkv_kernels.dispatch`, which runs the pure-torch references (hkv.models.gdn,
-`qwen3.paged_attention`) for CPU tensors and the Triton / fla-core kernels for
-CUDA ones (docs/kernels.md).
+`hkv_kernels.dispatch` on raw pool tensors, which runs the pure-torch
+references (hkv_kernels/<op>/reference.py) for CPU tensors and the Triton /
+fla-core kernels for CUDA ones (docs/kernels.md). The glue around them (gates,
+gated output norm) lives here.
 
 Names: T new tokens in the batch, S rows whose logits are returned, Hq / Hkv
 attention heads, D head dim, rot rotary dims, C conv channels, Hk / Hv and
@@ -42,7 +43,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hkv.models import gdn
 from hkv.models.batch import ForwardBatch
 from hkv.models.qwen3 import Qwen3MLP as MLP  # the same SwiGLU MLP; qwen3_next imports it from here
 from hkv.models.qwen3 import Rotary, apply_rope, default_rope_theta, load_params
@@ -172,7 +172,10 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """The GDN output norm: plain weight (ones-initialised), gated by silu(z)."""
+    """The GDN output norm (transformers' Qwen3_5RMSNormGated): RMSNorm(x) * weight, then * silu(gate).
+
+    The weight is plain (ones-initialised), not Gemma's 1 + w.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -180,7 +183,27 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gdn.gated_rms_norm(x, gate, self.weight, self.eps)
+        """x, gate: [..., D] -> [..., D] in x's dtype."""
+        in_dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(in_dtype)
+        h = h * F.silu(gate.to(torch.float32))
+        return h.to(in_dtype)
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token decay and write strength of the delta rule, from the a/b projections.
+
+    a, b: [T, Hv] (model dtype); A_log, dt_bias: [Hv].
+    Returns g: [T, Hv] fp32 log-decay (<= 0) and beta: [T, Hv] in b's dtype.
+    """
+    beta = b.sigmoid()
+    # A_log goes through fp32 first: in fp16, exp(A_log) can overflow to inf
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, beta
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -259,7 +282,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
         qkv, z, b, a = self.project(x)
-        g, beta = gdn.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
         heads = (self.k_heads, self.k_dim, self.v_heads, self.v_dim)
         # conv + delta rule of every sequence from and overwriting its state slot
         core = dispatch.gated_delta_net(

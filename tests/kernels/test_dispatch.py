@@ -1,8 +1,8 @@
 """On CPU the model path through `hkv_kernels.dispatch` is exactly the pure-torch references.
 
 The GDN layer must equal, bit for bit, the per-sequence composition of the
-`hkv.models.gdn` references (conv, then the chunked or recurrent rule) that
-the model ran before the dispatch ops; paged attention on a pool layer's raw tensors must
+references (conv, then the chunked or recurrent rule) that the model ran
+before the dispatch ops; paged attention on a pool layer's raw tensors must
 equal the KVPool-gather loop the models ran before; and a CPU forward must not
 import Triton at all.
 """
@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hkv.models import gdn
 from hkv.models.batch import ForwardBatch
-from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, gdn_gates
 from hkv.storage.kv_pool import KVLayout, KVPool
 from hkv.storage.state_pool import StatePool
 from hkv_kernels import dispatch
+from hkv_kernels.conv1d.reference import causal_conv1d
+from hkv_kernels.gdn.reference import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from hkv_kernels.paged_attention.reference import attend
 from tests.models.test_qwen3_5 import TEXT_CONFIG, PagedRun
 
@@ -27,16 +28,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _per_sequence_gdn(layer, x, batch, state):
-    """GatedDeltaNet.forward as a loop of the hkv.models.gdn references (the pre-dispatch code)."""
+    """GatedDeltaNet.forward as a loop of the per-sequence references (the pre-dispatch code)."""
     qkv, z, b, a = layer.project(x)
-    g, beta = gdn.gdn_gates(a, b, layer.A_log, layer.dt_bias)
+    g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
     s = state.layer_map[layer.layer_idx]
     core = x.new_empty(x.shape[0], layer.v_heads, layer.v_dim)  # [T, Hv, Dv]
     for start, n, slot in zip(batch.q_starts, batch.q_lens, batch.state_slots.tolist()):
         rows = slice(start, start + n)
-        conv_out, conv_state = gdn.causal_conv1d(qkv[rows], state.conv[s, slot], layer.conv1d.weight[:, 0])
+        conv_out, conv_state = causal_conv1d(qkv[rows], state.conv[s, slot], layer.conv1d.weight[:, 0])
         q, k, v = torch.split(conv_out, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-        rule = gdn.recurrent_gated_delta_rule if n == 1 else gdn.chunk_gated_delta_rule
+        rule = recurrent_gated_delta_rule if n == 1 else chunk_gated_delta_rule
         core[rows], recurrent = rule(
             q.reshape(n, layer.k_heads, layer.k_dim), k.reshape(n, layer.k_heads, layer.k_dim),
             v.reshape(n, layer.v_heads, layer.v_dim), g[rows], beta[rows], state.recurrent[s, slot],
