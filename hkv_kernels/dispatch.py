@@ -97,36 +97,6 @@ def gated_delta_rule(
     return gated_delta_rule_recurrent(q, k, v, g, beta, state, q_lens, slots, keep_slots=keep_slots)
 
 
-def gated_delta_net(
-    qkv: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    conv_weight: torch.Tensor,
-    state,
-    layer: int,
-    batch,
-    heads: tuple[int, int, int, int],
-    keep_slots: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The token mixer of `GatedDeltaNet.forward`: conv, split, delta rule over state slots.
-
-    qkv: [T, C] conv inputs q|k|v; g, beta: [T, Hv]; conv_weight: [C, K];
-    state: StatePool; layer: model layer index; batch: ForwardBatch (q_lens, state_slots);
-    heads: (k_heads, k_dim, v_heads, v_dim). Returns core: [T, Hv, Dv] in qkv's dtype.
-    """
-    k_heads, k_dim, v_heads, v_dim = heads
-    s = state.layer_map[layer]
-    slots = batch.state_slots
-    conv_out = causal_conv1d(qkv, state.conv[s], conv_weight, batch.q_lens, slots, keep_slots)  # [T, C]
-    key_dim = k_heads * k_dim
-    num_tokens = qkv.shape[0]
-    q, k, v = torch.split(conv_out, [key_dim, key_dim, v_heads * v_dim], dim=-1)
-    q = q.reshape(num_tokens, k_heads, k_dim)
-    k = k.reshape(num_tokens, k_heads, k_dim)
-    v = v.reshape(num_tokens, v_heads, v_dim)
-    return gated_delta_rule(q, k, v, g, beta, state.recurrent[s], batch.q_lens, slots, keep_slots)
-
-
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
     """dst[:, dst_idx[i]] = src[:, src_idx[i]] for in-range pairs (KV pages, state slots, host <-> device).
 

@@ -25,7 +25,7 @@ Kernels: attention and the GDN conv + delta rule go through
 `hkv_kernels.dispatch` on raw pool tensors, which runs the pure-torch
 references (hkv_kernels/<op>/reference.py) for CPU tensors and the Triton /
 fla-core kernels for CUDA ones (docs/kernels.md). The glue around them (gates,
-gated output norm) lives here.
+gated output norm, which pool layer and slots a layer reads) lives here.
 
 Names: T new tokens in the batch, S rows whose logits are returned, Hq / Hkv
 attention heads, D head dim, rot rotary dims, C conv channels, Hk / Hv and
@@ -280,14 +280,28 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(x.shape[0], self.v_heads, self.v_dim)
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
+    def mix(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch, state: StatePool
+    ) -> torch.Tensor:
+        """Conv, split and delta rule of every sequence, from and overwriting its state slot.
+
+        qkv: [T, C] conv inputs q|k|v; g, beta: [T, Hv]. Reads and writes
+        state.conv/recurrent[state.layer_map[layer], batch.state_slots[b]].
+        Returns core: [T, Hv, Dv] in qkv's dtype.
+        """
+        s = state.layer_map[self.layer_idx]
+        slots, q_lens, num_tokens = batch.state_slots, batch.q_lens, qkv.shape[0]
+        conv_out = dispatch.causal_conv1d(qkv, state.conv[s], self.conv1d.weight[:, 0], q_lens, slots)  # [T, C]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(num_tokens, self.k_heads, self.k_dim)  # [T, Hk, Dk]
+        k = k.reshape(num_tokens, self.k_heads, self.k_dim)  # [T, Hk, Dk]
+        v = v.reshape(num_tokens, self.v_heads, self.v_dim)  # [T, Hv, Dv]
+        return dispatch.gated_delta_rule(q, k, v, g, beta, state.recurrent[s], q_lens, slots)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
         qkv, z, b, a = self.project(x)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
-        heads = (self.k_heads, self.k_dim, self.v_heads, self.v_dim)
-        # conv + delta rule of every sequence from and overwriting its state slot
-        core = dispatch.gated_delta_net(
-            qkv, g, beta, self.conv1d.weight[:, 0], state, self.layer_idx, batch, heads
-        )  # [T, Hv, Dv]
+        core = self.mix(qkv, g, beta, batch, state)  # [T, Hv, Dv]
         core = self.norm(core, z)
         return self.out_proj(core.reshape(x.shape[0], -1))
 
