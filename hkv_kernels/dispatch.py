@@ -1,9 +1,11 @@
 """Model-facing ops: the Triton kernels when tensors live on CUDA, the pure-torch references otherwise.
 
-Signatures follow the model code's reference functions so a call site only
-changes its import. Kernel modules are imported lazily, on the first CUDA
-call, so a CPU process never imports Triton (and the kernel tests can choose
-the interpreter before the first import).
+Every op takes raw tensors with the signature of its `hkv_kernels/<op>/reference.py`
+function (slots as an int tensor instead of a list): the model files call these
+on CPU and CUDA alike and pick the pool layers and batch fields themselves.
+Kernel modules are imported lazily, on the first CUDA call, so a CPU process
+never imports Triton (and the kernel tests can choose the interpreter before
+the first import).
 """
 
 from __future__ import annotations
@@ -11,22 +13,30 @@ from __future__ import annotations
 import torch
 
 
-def paged_attention(q: torch.Tensor, kv, layer: int, batch, scale: float) -> torch.Tensor:
-    """`hkv.models.qwen3.paged_attention` on CPU, the Triton kernel on CUDA (what the model layers call).
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Each sequence's new queries over its paged K/V, causal among the new tokens.
 
-    q: [T, Hq, D] all new tokens in batch order; kv: KVPool with the new tokens'
-    K/V already written; layer: model layer index; batch: ForwardBatch.
-    Returns [T, Hq, D] in q's dtype.
+    q: [T, Hq, D] all new tokens in batch order; k_cache, v_cache: [P, page_size, Hkv, D]
+    one storage layer with the new tokens' K/V already written; page_table: [B, max_pages]
+    int (moved to q's device if it is not there); q_lens, kv_lens: [B] (kv_len counts
+    cached + new). Returns [T, Hq, D] in q's dtype.
     """
     if not q.is_cuda:
-        from hkv.models.qwen3 import paged_attention as paged_attention_ref
+        from hkv_kernels.paged_attention.reference import paged_attention_ref
 
-        return paged_attention_ref(q, kv, layer, batch, scale)
+        return paged_attention_ref(q, k_cache, v_cache, page_table, q_lens, kv_lens, scale)
     from hkv_kernels.paged_attention.triton_paged_attention import paged_attention as paged_attention_triton
 
-    s = kv.layer_map[layer]
-    page_table = batch.page_table.to(q.device, non_blocking=True)
-    return paged_attention_triton(q, kv.k[s], kv.v[s], page_table, batch.q_lens, batch.kv_lens, scale)
+    page_table = page_table.to(q.device, non_blocking=True)
+    return paged_attention_triton(q, k_cache, v_cache, page_table, q_lens, kv_lens, scale)
 
 
 def causal_conv1d(
@@ -85,36 +95,6 @@ def gated_delta_rule(
     if chunked and fla_available():
         return gated_delta_rule_chunked(q, k, v, g, beta, state, q_lens, slots)
     return gated_delta_rule_recurrent(q, k, v, g, beta, state, q_lens, slots, keep_slots=keep_slots)
-
-
-def gated_delta_net(
-    qkv: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    conv_weight: torch.Tensor,
-    state,
-    layer: int,
-    batch,
-    heads: tuple[int, int, int, int],
-    keep_slots: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The token mixer of `GatedDeltaNet.forward`: conv, split, delta rule over state slots.
-
-    qkv: [T, C] conv inputs q|k|v; g, beta: [T, Hv]; conv_weight: [C, K];
-    state: StatePool; layer: model layer index; batch: ForwardBatch (q_lens, state_slots);
-    heads: (k_heads, k_dim, v_heads, v_dim). Returns core: [T, Hv, Dv] in qkv's dtype.
-    """
-    k_heads, k_dim, v_heads, v_dim = heads
-    s = state.layer_map[layer]
-    slots = batch.state_slots
-    conv_out = causal_conv1d(qkv, state.conv[s], conv_weight, batch.q_lens, slots, keep_slots)  # [T, C]
-    key_dim = k_heads * k_dim
-    num_tokens = qkv.shape[0]
-    q, k, v = torch.split(conv_out, [key_dim, key_dim, v_heads * v_dim], dim=-1)
-    q = q.reshape(num_tokens, k_heads, k_dim)
-    k = k.reshape(num_tokens, k_heads, k_dim)
-    v = v.reshape(num_tokens, v_heads, v_dim)
-    return gated_delta_rule(q, k, v, g, beta, state.recurrent[s], batch.q_lens, slots, keep_slots)
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:

@@ -11,10 +11,11 @@ Every model family exposes the same interface to the loader and the runner:
     .forward(batch, kv, state=None)              fp32 logits [S, vocab] for batch.logits_indices
 
 Names: T new tokens in the batch, S tokens whose logits are returned, H hidden
-size, Hq query heads, Hkv KV heads, D head dim, L tokens in one sequence's KV.
-`paged_attention` here is the reference path (a loop over sequences); the
-layers call `hkv_kernels.dispatch.paged_attention`, which runs it for CPU
-tensors and the Triton kernel for CUDA ones.
+size, Hq query heads, Hkv KV heads, D head dim.
+The attention layers call `hkv_kernels.dispatch.paged_attention` on their
+storage layer's K/V, which runs the pure-torch reference
+(hkv_kernels/paged_attention/reference.py) for CPU tensors and the Triton
+kernel for CUDA ones.
 """
 
 from __future__ import annotations
@@ -135,41 +136,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one sequence's n new queries over its L cached keys (the new ones last).
-
-    q: [n, Hq, D]; k, v: [L, Hkv, D] -> [n, Hq, D]. Query i sits at position L - n + i
-    and sees keys 0 .. L - n + i: causal among the new tokens, full over the prefix.
-    """
-    n, L = q.shape[0], k.shape[0]
-    mask = None
-    if n > 1:
-        key_pos = torch.arange(L, device=q.device)
-        query_pos = torch.arange(L - n, L, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [n, L]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [Hq, n, D]
-    return out.transpose(0, 1)
-
-
-def paged_attention(q: torch.Tensor, kv: KVPool, layer: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
-    """Reference paged attention: each sequence's new queries over its K/V read through its page-table row.
-
-    q: [T, Hq, D] (all new tokens, batch order) -> [T, Hq, D]. The new tokens' K/V must
-    already be written to the pool. Loops over sequences; on CUDA, `hkv_kernels.dispatch`
-    runs the Triton kernel instead.
-    """
-    out = torch.empty_like(q)
-    for b, start in enumerate(batch.q_starts):
-        n, kv_len = batch.q_lens[b], batch.kv_lens[b]
-        if n == 0:
-            continue
-        k, v = kv.gather(layer, batch.page_table[b], kv_len)  # [L, Hkv, D]
-        out[start : start + n] = attend(q[start : start + n], k, v, scale)
-    return out
-
-
 class Qwen3Attention(nn.Module):
     def __init__(self, cfg: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -198,7 +164,10 @@ class Qwen3Attention(nn.Module):
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(self.layer_idx, batch.slot_mapping, k, v)
-        out = dispatch.paged_attention(q, kv, self.layer_idx, batch, self.scale)  # [T, Hq, D]
+        s = kv.layer_map[self.layer_idx]
+        out = dispatch.paged_attention(
+            q, kv.k[s], kv.v[s], batch.page_table, batch.q_lens, batch.kv_lens, self.scale
+        )  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
 

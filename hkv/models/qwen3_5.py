@@ -22,9 +22,10 @@ the recurrent one; a prompt split into chunks anywhere gives the unsplit
 result up to float rounding.
 
 Kernels: attention and the GDN conv + delta rule go through
-`hkv_kernels.dispatch`, which runs the pure-torch references (hkv.models.gdn,
-`qwen3.paged_attention`) for CPU tensors and the Triton / fla-core kernels for
-CUDA ones (docs/kernels.md).
+`hkv_kernels.dispatch` on raw pool tensors, which runs the pure-torch
+references (hkv_kernels/<op>/reference.py) for CPU tensors and the Triton /
+fla-core kernels for CUDA ones (docs/kernels.md). The glue around them (gates,
+gated output norm, which pool layer and slots a layer reads) lives here.
 
 Names: T new tokens in the batch, S rows whose logits are returned, Hq / Hkv
 attention heads, D head dim, rot rotary dims, C conv channels, Hk / Hv and
@@ -42,7 +43,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hkv.models import gdn
 from hkv.models.batch import ForwardBatch
 from hkv.models.qwen3 import Qwen3MLP as MLP  # the same SwiGLU MLP; qwen3_next imports it from here
 from hkv.models.qwen3 import Rotary, apply_rope, default_rope_theta, load_params
@@ -172,7 +172,10 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """The GDN output norm: plain weight (ones-initialised), gated by silu(z)."""
+    """The GDN output norm (transformers' Qwen3_5RMSNormGated): RMSNorm(x) * weight, then * silu(gate).
+
+    The weight is plain (ones-initialised), not Gemma's 1 + w.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -180,7 +183,27 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gdn.gated_rms_norm(x, gate, self.weight, self.eps)
+        """x, gate: [..., D] -> [..., D] in x's dtype."""
+        in_dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(in_dtype)
+        h = h * F.silu(gate.to(torch.float32))
+        return h.to(in_dtype)
+
+
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token decay and write strength of the delta rule, from the a/b projections.
+
+    a, b: [T, Hv] (model dtype); A_log, dt_bias: [Hv].
+    Returns g: [T, Hv] fp32 log-decay (<= 0) and beta: [T, Hv] in b's dtype.
+    """
+    beta = b.sigmoid()
+    # A_log goes through fp32 first: in fp16, exp(A_log) can overflow to inf
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, beta
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -216,7 +239,10 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         kv.write(self.layer_idx, batch.slot_mapping, k, v)
-        out = dispatch.paged_attention(q, kv, self.layer_idx, batch, self.scale)  # [T, Hq, D]
+        s = kv.layer_map[self.layer_idx]
+        out = dispatch.paged_attention(
+            q, kv.k[s], kv.v[s], batch.page_table, batch.q_lens, batch.kv_lens, self.scale
+        )  # [T, Hq, D]
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))  # [T, Hq * D]
         return self.o_proj(out)
 
@@ -254,14 +280,28 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(x.shape[0], self.v_heads, self.v_dim)
         return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
 
+    def mix(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch, state: StatePool
+    ) -> torch.Tensor:
+        """Conv, split and delta rule of every sequence, from and overwriting its state slot.
+
+        qkv: [T, C] conv inputs q|k|v; g, beta: [T, Hv]. Reads and writes
+        state.conv/recurrent[state.layer_map[layer], batch.state_slots[b]].
+        Returns core: [T, Hv, Dv] in qkv's dtype.
+        """
+        s = state.layer_map[self.layer_idx]
+        slots, q_lens, num_tokens = batch.state_slots, batch.q_lens, qkv.shape[0]
+        conv_out = dispatch.causal_conv1d(qkv, state.conv[s], self.conv1d.weight[:, 0], q_lens, slots)  # [T, C]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(num_tokens, self.k_heads, self.k_dim)  # [T, Hk, Dk]
+        k = k.reshape(num_tokens, self.k_heads, self.k_dim)  # [T, Hk, Dk]
+        v = v.reshape(num_tokens, self.v_heads, self.v_dim)  # [T, Hv, Dv]
+        return dispatch.gated_delta_rule(q, k, v, g, beta, state.recurrent[s], q_lens, slots)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
         qkv, z, b, a = self.project(x)
-        g, beta = gdn.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
-        heads = (self.k_heads, self.k_dim, self.v_heads, self.v_dim)
-        # conv + delta rule of every sequence from and overwriting its state slot
-        core = dispatch.gated_delta_net(
-            qkv, g, beta, self.conv1d.weight[:, 0], state, self.layer_idx, batch, heads
-        )  # [T, Hv, Dv]
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
+        core = self.mix(qkv, g, beta, batch, state)  # [T, Hv, Dv]
         core = self.norm(core, z)
         return self.out_proj(core.reshape(x.shape[0], -1))
 

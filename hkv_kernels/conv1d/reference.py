@@ -1,10 +1,49 @@
-"""Pure-torch ragged causal conv1d over state slots: a loop of `hkv.models.gdn.causal_conv1d` calls."""
+"""Pure-torch causal depthwise conv1d with carried state: the CPU path, and what the Triton kernel is tested against.
+
+`causal_conv1d` runs one sequence's new chunk: from a zero state it equals
+transformers' `causal_conv1d_fn` torch fallback (models/qwen3_5, left zero
+padding), and from a carried state its `causal_conv1d_update`, but it returns
+the new state instead of updating it in place, so a prefill split anywhere
+continues exactly where it stopped. `causal_conv1d_ref` loops it over a
+ragged batch whose states live in state-pool slots.
+
+Names: T new tokens, C conv channels (q|k|v concatenated), K kernel size, S slots.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from hkv.models.gdn import causal_conv1d
+
+def causal_conv1d(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv over a new chunk, continuing from the carried inputs.
+
+    x: [T, C] the chunk's conv inputs, token-major.
+    conv_state: [C, K-1] the K-1 inputs before the chunk, oldest first (zeros
+        for a fresh sequence, which equals transformers' left zero padding).
+    weight: [C, K]; bias: [C] or None.
+    Returns out: [T, C] in x's dtype, and the new conv state [C, K-1] (the
+    last K-1 inputs, in conv_state's dtype). conv_state is not modified.
+    """
+    num_tokens = x.shape[0]
+    state_len = weight.shape[-1] - 1
+    window = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=-1)  # [C, K-1+T]
+    new_state = window[:, window.shape[-1] - state_len :].to(conv_state.dtype)  # [C, K-1]
+    # F.conv1d on the unbatched [C, L] input, as transformers does on [1, C, L]
+    out = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), bias, groups=window.shape[0])[0]  # [C, T]
+    out = out[:, out.shape[-1] - num_tokens :]  # [C, T]
+    if activation == "silu":
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"unsupported conv activation {activation!r}")
+    return out.t().to(x.dtype), new_state
 
 
 def causal_conv1d_ref(

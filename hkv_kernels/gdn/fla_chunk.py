@@ -7,11 +7,15 @@ back to hkv's recurrent Triton kernel, which is exact but token-serial.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+# the answer cannot change within a process, and a failed import is retried on every call otherwise
+@functools.cache
 def fla_available() -> bool:
-    """True when fla-core's gated delta rule kernels can be imported."""
+    """True when fla-core's gated delta rule kernels can be imported (checked once per process)."""
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
     except ImportError:

@@ -1,15 +1,39 @@
-"""Pure-torch paged attention on raw cache tensors: the CPU path the Triton kernel is tested against.
+"""Pure-torch paged attention on raw cache tensors: the CPU path, and what the Triton kernel is tested against.
 
-It is the models' reference (`hkv.models.qwen3.attend` per sequence) on one
-storage layer's K/V instead of a KVPool, so the kernel and the CPU path share
-one signature.
+`attend` is one sequence's attention: over a whole prompt it computes what
+transformers' `sdpa_attention_forward` (integrations/sdpa_attention.py, the
+default attention of its Qwen3 / Qwen3.5 models) does with the causal mask and
+GQA; for new tokens after a cached prefix the mask is causal among the new
+tokens and full over the prefix.
+`paged_attention_ref` reads each sequence's K/V through its page-table row and
+calls `attend`.
+
+Names: T new tokens in the batch, n new tokens of one sequence, L tokens in
+its K/V (cached + new), Hq / Hkv query / KV heads, D head dim, P pages.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from hkv.models.qwen3 import attend
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of one sequence's n new queries over its L cached keys (the new ones last).
+
+    q: [n, Hq, D]; k, v: [L, Hkv, D] -> [n, Hq, D]. Query i sits at position L - n + i
+    and sees keys 0 .. L - n + i: causal among the new tokens, full over the prefix.
+    """
+    n, L = q.shape[0], k.shape[0]
+    mask = None
+    if n > 1:
+        key_pos = torch.arange(L, device=q.device)
+        query_pos = torch.arange(L - n, L, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [n, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [Hq, n, D]
+    return out.transpose(0, 1)
 
 
 def paged_attention_ref(

@@ -1,36 +1,43 @@
 """On CPU the model path through `hkv_kernels.dispatch` is exactly the pure-torch references.
 
-The GDN layer must equal, bit for bit, the per-sequence composition of
-`hkv.models.gdn` (conv, then the chunked or recurrent rule) that the model ran
-before the dispatch ops, and a CPU forward must not import Triton at all.
+The GDN layer must equal, bit for bit, the per-sequence composition of the
+references (conv, then the chunked or recurrent rule) that the model ran
+before the dispatch ops; paged attention on a pool layer's raw tensors must
+equal the KVPool-gather loop the models ran before; and a CPU forward must not
+import Triton at all.
 """
 
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from hkv.models import gdn
 from hkv.models.batch import ForwardBatch
-from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, gdn_gates
+from hkv.storage.kv_pool import KVLayout, KVPool
 from hkv.storage.state_pool import StatePool
+from hkv_kernels import dispatch
+from hkv_kernels.conv1d.reference import causal_conv1d
+from hkv_kernels.gdn.reference import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from hkv_kernels.paged_attention.reference import attend
 from tests.models.test_qwen3_5 import TEXT_CONFIG, PagedRun
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _per_sequence_gdn(layer, x, batch, state):
-    """GatedDeltaNet.forward as a loop of the hkv.models.gdn references (the pre-dispatch code)."""
+    """GatedDeltaNet.forward as a loop of the per-sequence references (the pre-dispatch code)."""
     qkv, z, b, a = layer.project(x)
-    g, beta = gdn.gdn_gates(a, b, layer.A_log, layer.dt_bias)
+    g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
     s = state.layer_map[layer.layer_idx]
     core = x.new_empty(x.shape[0], layer.v_heads, layer.v_dim)  # [T, Hv, Dv]
     for start, n, slot in zip(batch.q_starts, batch.q_lens, batch.state_slots.tolist()):
         rows = slice(start, start + n)
-        conv_out, conv_state = gdn.causal_conv1d(qkv[rows], state.conv[s, slot], layer.conv1d.weight[:, 0])
+        conv_out, conv_state = causal_conv1d(qkv[rows], state.conv[s, slot], layer.conv1d.weight[:, 0])
         q, k, v = torch.split(conv_out, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-        rule = gdn.recurrent_gated_delta_rule if n == 1 else gdn.chunk_gated_delta_rule
+        rule = recurrent_gated_delta_rule if n == 1 else chunk_gated_delta_rule
         core[rows], recurrent = rule(
             q.reshape(n, layer.k_heads, layer.k_dim), k.reshape(n, layer.k_heads, layer.k_dim),
             v.reshape(n, layer.v_heads, layer.v_dim), g[rows], beta[rows], state.recurrent[s, slot],
@@ -72,6 +79,39 @@ def test_cpu_gdn_layer_is_the_per_sequence_reference():
         want = _per_sequence_gdn(layer, x, batch, expected)
     assert torch.equal(got, want)
     assert torch.equal(ours.conv, expected.conv) and torch.equal(ours.recurrent, expected.recurrent)
+
+
+def _gather_attention(q, kv, layer, batch, scale):
+    """The models' paged attention before dispatch took raw tensors: KVPool.gather, then attend."""
+    out = torch.empty_like(q)
+    for b, start in enumerate(batch.q_starts):
+        n, kv_len = batch.q_lens[b], batch.kv_lens[b]
+        if n == 0:
+            continue
+        k, v = kv.gather(layer, batch.page_table[b], kv_len)  # [L, Hkv, D]
+        out[start : start + n] = attend(q[start : start + n], k, v, scale)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_paged_attention_is_the_gather_loop(dtype):
+    gen = torch.Generator().manual_seed(4)
+    layout = KVLayout(num_layers=2, num_pages=12, page_size=4, kv_heads=2, head_dim=16,
+                      dtype=str(dtype).removeprefix("torch."), device="cpu", layer_ids=(1, 3))
+    kv = KVPool(layout)
+    kv.kv.copy_(torch.randn(kv.kv.shape, generator=gen))
+    # a decode over a page-crossing prefix, an empty sequence, and a prefill chunk after a prefix
+    q_lens, kv_lens = [1, 0, 6], [9, 3, 11]
+    page_table = torch.tensor([[7, 2, 10, 0], [5, 0, 0, 0], [3, 11, 1, 0]])
+    batch = ForwardBatch(
+        input_ids=torch.zeros(7, dtype=torch.long), positions=torch.zeros(7, dtype=torch.long),
+        q_lens=q_lens, kv_lens=kv_lens, page_table=page_table, slot_mapping=torch.zeros(7, dtype=torch.long),
+        logits_indices=torch.arange(7),
+    )
+    q = torch.randn(7, 4, 16, generator=gen).to(dtype)  # [T, Hq, D]
+    s = kv.layer_map[3]
+    got = dispatch.paged_attention(q, kv.k[s], kv.v[s], page_table, q_lens, kv_lens, 0.25)
+    assert torch.equal(got, _gather_attention(q, kv, 3, batch, 0.25))
 
 
 def test_cpu_forward_never_imports_triton():

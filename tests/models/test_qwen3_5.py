@@ -10,11 +10,12 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as tf
 
 from hkv.models.batch import ForwardBatch
 from hkv.models.loader import load_model
-from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+from hkv.models.qwen3_5 import GatedRMSNorm, Qwen3_5Config, Qwen3_5ForCausalLM, gdn_gates
 from hkv.storage.kv_pool import KVPool
 from hkv.storage.state_pool import StatePool
 
@@ -257,3 +258,28 @@ def test_hybrid_forward_needs_state(text_ckpt):
     with pytest.raises(ValueError, match="StatePool"):
         ours(ForwardBatch(torch.tensor([1]), torch.tensor([0]), [1], [1], torch.tensor([[0]]),
                           torch.tensor([0]), torch.tensor([0])), run.kv, run.state)
+
+
+def test_gates_match_transformers_formula():
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    A_log, dt_bias = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    assert torch.equal(g, -A_log.float().exp() * F.softplus(a.float() + dt_bias))
+    assert torch.equal(beta, b.sigmoid())
+
+
+def test_gated_rms_norm_matches_transformers():
+    # imported here: the modeling module pulls in triton, and test_dispatch's no-triton check imports this file
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    gen = torch.Generator().manual_seed(5)
+    ref_norm, norm = hf.Qwen3_5RMSNormGated(8, eps=1e-6), GatedRMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        ref_norm.weight.copy_(torch.randn(8, generator=gen))
+        norm.weight.copy_(ref_norm.weight)
+    x, z = torch.randn(6, 4, 8, generator=gen), torch.randn(6, 4, 8, generator=gen)
+    with torch.no_grad():
+        ref = ref_norm(x.reshape(-1, 8), z.reshape(-1, 8)).reshape(6, 4, 8)
+        out = norm(x, z)
+    assert (out - ref).abs().max() < 1e-5
