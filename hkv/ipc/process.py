@@ -85,10 +85,11 @@ ActorBody = Callable[[HkvConfig, ActorContext], Awaitable[None]]
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--config-file", required=True)
-    p.add_argument("--lifeline-fd", type=int, required=True)
-    p.add_argument("--status-fd", type=int, required=True)
-    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--config-file", required=True, help="the instance's frozen config, JSON (written by hkv-launch)")
+    p.add_argument("--lifeline-fd", type=int, required=True,
+                   help="read end of the launcher's lifeline pipe: EOF means the launcher is gone")
+    p.add_argument("--status-fd", type=int, required=True, help="write end of this actor's status pipe")
+    p.add_argument("--rank", type=int, default=0, help="this rank's index, ranks only (default: 0)")
     return p.parse_args(argv)
 
 
