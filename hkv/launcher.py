@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from hkv.config import ConfigError, HkvConfig, parse_cli
-from hkv.ipc import request_table, stats
+from hkv.ipc import request_table, stats, tier_regions
 from hkv.ipc.process import setup_logging
 from hkv.ipc.shm import Registry, ShmRegion, sweep_orphans, unlink_instance
 
@@ -77,7 +77,6 @@ class Instance:
 
     def create_tier_regions(self, registry: Registry) -> None:
         """The CPU tier's page pool (sized from the model's layouts) and the cache worker's stats block."""
-        from hkv.actors.cache_worker import TIER_REGION, TIER_STATS_NBYTES, TIER_STATS_REGION
         from hkv.storage.host_pool import tier_layout
 
         cfg = self.cfg
@@ -86,12 +85,13 @@ class Instance:
             raise ConfigError(f"--cpu-cache-gb {cfg.cache.cpu_cache_gb} holds no page of {layout.page_bytes} bytes")
         log.info("CPU tier: %d pages, %d checkpoints, %.1f MiB", layout.num_pages, layout.num_states,
                  layout.nbytes / 2**20)
-        self.regions.append(ShmRegion.create(cfg.server.name, TIER_REGION, layout.nbytes, writer="cache_worker"))
-        registry.add(TIER_REGION, writer="cache_worker", version=1,
-                     layout={**layout.to_dict(), "fingerprint": fingerprint.hex()})
-        self.regions.append(ShmRegion.create(cfg.server.name, TIER_STATS_REGION, TIER_STATS_NBYTES,
+        pool, tier_stats = tier_regions.TIER_REGION, tier_regions.TIER_STATS_REGION
+        self.regions.append(ShmRegion.create(cfg.server.name, pool, layout.nbytes, writer="cache_worker"))
+        registry.add(pool, writer="cache_worker", version=tier_regions.VERSION,
+                     layout=tier_regions.registry_layout(layout, fingerprint))
+        self.regions.append(ShmRegion.create(cfg.server.name, tier_stats, tier_regions.TIER_STATS_NBYTES,
                                              writer="cache_worker"))
-        registry.add(TIER_STATS_REGION, writer="cache_worker", version=1, layout={"format": "json_block"})
+        registry.add(tier_stats, writer="cache_worker", version=tier_regions.VERSION, layout={"format": "json_block"})
 
     async def spawn(self, name: str, module: str, config_file: str, extra: list[str]) -> Child:
         status_r, status_w = os.pipe()

@@ -30,13 +30,11 @@ from hkv.ipc.messages import (
     TierReserve, TierReserved,
 )  # fmt: skip
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
-from hkv.ipc.shm import Registry, ShmRegion
+from hkv.ipc.shm import ShmRegion
+from hkv.ipc.tier_regions import TIER_STATS_REGION, attach_pool
 from hkv.storage.host_pool import HostLayout, HostPool
 
 log = logging.getLogger("hkv.cache_worker")
-TIER_REGION = "cpu_tier"  # the shm page pool
-TIER_STATS_REGION = "tiers"  # the worker's stats, a json_block (hkv-inspect, /metrics)
-TIER_STATS_NBYTES = 64 * 1024
 WRITE_QUEUE_BOUND = 4096  # entries waiting for the disk; beyond it a write is skipped (counted)
 DISK_WRITERS = 2  # concurrent disk writes (an fsync per entry bounds one writer)
 DRAIN_WRITES_S = 8.0  # on stop, finish queued disk writes for at most this long
@@ -394,22 +392,6 @@ class CacheWorker:
             await channel.aclose()
         if self.disk is not None:
             self.disk.close()
-
-
-def pool_layout(instance: str) -> tuple[HostLayout, bytes]:
-    """The CPU tier's layout and fingerprint root key, from the instance's registry."""
-    with Registry.attach(instance, readonly=True) as registry:
-        entry = next(e for e in registry.entries() if e.region == TIER_REGION)
-    layout_doc = dict(entry.layout)
-    fingerprint = bytes.fromhex(layout_doc.pop("fingerprint"))
-    return HostLayout(**layout_doc), fingerprint
-
-
-def attach_pool(instance: str) -> tuple[ShmRegion, HostLayout, bytes]:
-    """Map the CPU tier's page pool; returns (region, layout, fingerprint root key)."""
-    layout, fingerprint = pool_layout(instance)
-    region = ShmRegion.attach(instance, TIER_REGION, readonly=False)
-    return region, layout, fingerprint
 
 
 async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
