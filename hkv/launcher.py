@@ -22,11 +22,16 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hkv.config import ConfigError, HkvConfig, parse_cli
 from hkv.ipc import request_table, stats, tier_regions
 from hkv.ipc.process import setup_logging
 from hkv.ipc.shm import Registry, ShmRegion, sweep_orphans, unlink_instance
+
+if TYPE_CHECKING:
+    from hkv.storage.host_pool import HostLayout
 
 log = logging.getLogger("hkv.launch")
 STOP_GRACE_S = 10.0
@@ -77,8 +82,6 @@ class Instance:
 
     def create_tier_regions(self, registry: Registry) -> None:
         """The CPU tier's page pool (sized from the model's layouts) and the cache worker's stats block."""
-        from hkv.storage.host_pool import tier_layout
-
         cfg = self.cfg
         layout, fingerprint = tier_layout(cfg)
         if layout.num_pages == 0:
@@ -193,6 +196,29 @@ class Instance:
 
     def stop_order(self) -> list[str]:
         return ["api", "router"] + [f"rank{r}" for r in range(self.cfg.model.tp)] + ["cache_worker"]
+
+
+def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
+    """The CPU tier's layout for `cfg` and the fingerprint root key of its entries.
+
+    The model is built on the meta device (layouts, no weights). About two
+    checkpoints per checkpoint interval's worth of pages (the interval
+    boundary and a prompt end or finish): each hybrid hit needs one.
+    """
+    # imported here: they load torch, which a launch without tiers never needs
+    from hkv.models.loader import cache_fingerprint, meta_model
+    from hkv.storage.host_pool import HostLayout
+
+    c = cfg.cache
+    model = meta_model(cfg.model.path)
+    kv = model.kv_layout(1, c.page_size, cfg.model.dtype, "cpu")
+    state = model.state_layout(1, device="cpu", dtype="float32") if c.hybrid else None
+    share = min(1.0, 2 * c.page_size / c.checkpoint_interval) if c.hybrid else 0.0
+    layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), share)
+    digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start
+    fingerprint = cache_fingerprint(cfg.model.path, cfg.model.dtype, c.page_size, cfg.model.tp, cfg.model.device,
+                                    digest_cache=digests)
+    return layout, fingerprint.root_key()
 
 
 def _readable(fd: int) -> bool:
