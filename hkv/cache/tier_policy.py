@@ -177,7 +177,7 @@ class TierPolicy:
                 last_state = len(run) - 1
         return run[: last_state + 1] if need_state else run
 
-    def _pin_run(self, run, need_state: bool) -> tuple[list[Entry], list[bool]]:
+    def _pin_run(self, run: list[tuple[bytes, Entry | None]], need_state: bool) -> tuple[list[Entry], list[bool]]:
         """Pin the run's CPU entries, then reserve entries for its disk ones; stops where none can be had.
 
         Pinning first keeps a disk page's reservation from evicting a later
