@@ -22,11 +22,16 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hkv.config import ConfigError, HkvConfig, parse_cli
-from hkv.ipc import request_table, stats
+from hkv.ipc import request_table, stats, tier_regions
 from hkv.ipc.process import setup_logging
 from hkv.ipc.shm import Registry, ShmRegion, sweep_orphans, unlink_instance
+
+if TYPE_CHECKING:
+    from hkv.storage.host_pool import HostLayout
 
 log = logging.getLogger("hkv.launch")
 STOP_GRACE_S = 10.0
@@ -77,21 +82,19 @@ class Instance:
 
     def create_tier_regions(self, registry: Registry) -> None:
         """The CPU tier's page pool (sized from the model's layouts) and the cache worker's stats block."""
-        from hkv.actors.cache_worker import TIER_REGION, TIER_STATS_NBYTES, TIER_STATS_REGION
-        from hkv.storage.host_pool import tier_layout
-
         cfg = self.cfg
         layout, fingerprint = tier_layout(cfg)
         if layout.num_pages == 0:
             raise ConfigError(f"--cpu-cache-gb {cfg.cache.cpu_cache_gb} holds no page of {layout.page_bytes} bytes")
         log.info("CPU tier: %d pages, %d checkpoints, %.1f MiB", layout.num_pages, layout.num_states,
                  layout.nbytes / 2**20)
-        self.regions.append(ShmRegion.create(cfg.server.name, TIER_REGION, layout.nbytes, writer="cache_worker"))
-        registry.add(TIER_REGION, writer="cache_worker", version=1,
-                     layout={**layout.to_dict(), "fingerprint": fingerprint.hex()})
-        self.regions.append(ShmRegion.create(cfg.server.name, TIER_STATS_REGION, TIER_STATS_NBYTES,
+        pool, tier_stats = tier_regions.TIER_REGION, tier_regions.TIER_STATS_REGION
+        self.regions.append(ShmRegion.create(cfg.server.name, pool, layout.nbytes, writer="cache_worker"))
+        registry.add(pool, writer="cache_worker", version=tier_regions.VERSION,
+                     layout=tier_regions.registry_layout(layout, fingerprint))
+        self.regions.append(ShmRegion.create(cfg.server.name, tier_stats, tier_regions.TIER_STATS_NBYTES,
                                              writer="cache_worker"))
-        registry.add(TIER_STATS_REGION, writer="cache_worker", version=1, layout={"format": "json_block"})
+        registry.add(tier_stats, writer="cache_worker", version=tier_regions.VERSION, layout={"format": "json_block"})
 
     async def spawn(self, name: str, module: str, config_file: str, extra: list[str]) -> Child:
         status_r, status_w = os.pipe()
@@ -193,6 +196,29 @@ class Instance:
 
     def stop_order(self) -> list[str]:
         return ["api", "router"] + [f"rank{r}" for r in range(self.cfg.model.tp)] + ["cache_worker"]
+
+
+def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
+    """The CPU tier's layout for `cfg` and the fingerprint root key of its entries.
+
+    The model is built on the meta device (layouts, no weights). About two
+    checkpoints per checkpoint interval's worth of pages (the interval
+    boundary and a prompt end or finish): each hybrid hit needs one.
+    """
+    # imported here: they load torch, which a launch without tiers never needs
+    from hkv.models.loader import cache_fingerprint, meta_model
+    from hkv.storage.host_pool import HostLayout
+
+    c = cfg.cache
+    model = meta_model(cfg.model.path)
+    kv = model.kv_layout(1, c.page_size, cfg.model.dtype, "cpu")
+    state = model.state_layout(1, device="cpu", dtype="float32") if c.hybrid else None
+    share = min(1.0, 2 * c.page_size / c.checkpoint_interval) if c.hybrid else 0.0
+    layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), share)
+    digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start
+    fingerprint = cache_fingerprint(cfg.model.path, cfg.model.dtype, c.page_size, cfg.model.tp, cfg.model.device,
+                                    digest_cache=digests)
+    return layout, fingerprint.root_key()
 
 
 def _readable(fd: int) -> bool:

@@ -88,7 +88,7 @@ def _read_stats(name: str) -> dict[str, Any]:
 
 def _read_tiers(name: str, report: dict[str, Any]) -> None:
     """Fill in the CPU and disk tiers from the cache worker's stats block."""
-    from hkv.actors.cache_worker import TIER_STATS_REGION
+    from hkv.ipc.tier_regions import TIER_STATS_REGION
 
     with ShmRegion.attach(name, TIER_STATS_REGION, readonly=True) as region:
         doc = json_block.read(region.payload)

@@ -357,7 +357,7 @@ def _attach_tier_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack):
     """A reader of the cache worker's stats block (a json_block) for /metrics; None without tiers."""
     if not cfg.cache.tiers:
         return lambda: None
-    from hkv.actors.cache_worker import TIER_STATS_REGION
+    from hkv.ipc.tier_regions import TIER_STATS_REGION
     from hkv.ipc import json_block
 
     try:

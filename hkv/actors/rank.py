@@ -50,7 +50,7 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRun
 
 def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
     """Map the CPU tier's shm pool (pinned on CUDA) so tier copies reach it; returns its region."""
-    from hkv.actors.cache_worker import attach_pool
+    from hkv.ipc.tier_regions import attach_pool
     from hkv.storage.host_pool import HostPool
 
     region, layout, _ = attach_pool(cfg.server.name)

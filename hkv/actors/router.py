@@ -309,7 +309,7 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     radix_region = ShmRegion.attach(cfg.server.name, stats.RADIX_REGION)
     tier_layout = None
     if cfg.cache.tiers:
-        from hkv.actors.cache_worker import pool_layout
+        from hkv.ipc.tier_regions import pool_layout
 
         tier_layout = pool_layout(cfg.server.name)
     zctx = zmq.asyncio.Context()

@@ -1,8 +1,9 @@
 """Bookkeeping of the CPU tier (the cache worker's shm page pool): which key lives in which entry.
 
-Pure Python: the cache worker owns one `CpuTier`; ranks copy contents into and
-out of the entries it hands out (hkv/storage/host_pool.py). Keys are chained
-page keys (hkv/cache/keys.py), so a key names a page *and* its whole prefix.
+Pure Python: the cache worker's `TierPolicy` (hkv/cache/tier_policy.py) owns
+one `CpuTier`; ranks copy contents into and out of the entries it hands out
+(hkv/storage/host_pool.py). Keys are chained page keys (hkv/cache/keys.py),
+so a key names a page *and* its whole prefix.
 
     key -> Entry(page entry, optional state entry = the checkpoint at the page's end)
 
@@ -72,8 +73,6 @@ class CpuTier:
         self._state_lru: OrderedDict[bytes, None] = OrderedDict()  # valid, unpinned, with a state
         self.counters: TierCounters = TierCounters()
 
-    # ---- queries ----------------------------------------------------------------------
-
     def get(self, key: bytes) -> Entry | None:
         """The valid entry of `key`, or None (absent or still reserved)."""
         entry = self.entries.get(key)
@@ -96,8 +95,6 @@ class CpuTier:
         states = {"total": self.num_states, "free": self.free_states, "cached": len(self._state_lru),
                   "in_use": pinned_states}
         return {"pages": pages, "states": states}
-
-    # ---- pins and LRU -------------------------------------------------------------------
 
     def pin(self, entry: Entry) -> None:
         """Keep `entry` (and its state) from eviction; pins nest."""
@@ -127,8 +124,6 @@ class CpuTier:
             self._page_lru.move_to_end(entry.key)
         if entry.key in self._state_lru:
             self._state_lru.move_to_end(entry.key)
-
-    # ---- allocation -----------------------------------------------------------------------
 
     def reserve(self, key: bytes) -> Entry | None:
         """A new reserved (pinned, invalid) entry for `key`, evicting the LRU page if needed.

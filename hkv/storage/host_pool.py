@@ -11,13 +11,14 @@ payload:
 
 `HostPool` gives torch views in the device pools' axis order (layer first),
 so one `copy_blocks` call per tensor moves any list of pages or slots.
+`HostLayout.for_model` sizes the pool from KV and state layouts; the launcher
+gets those from a meta-device model (`tier_layout` in hkv/launcher.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -163,23 +164,3 @@ class HostPool:
         """Drop every view so the shm mapping can close."""
         self.pages = self.k = self.v = self.kv_layers = self.conv = self.recurrent = None
         self.buffer = None
-
-
-def tier_layout(cfg) -> tuple[HostLayout, bytes]:
-    """The CPU tier's layout for an HkvConfig and the fingerprint root key of its entries.
-
-    About two checkpoints per checkpoint interval's worth of pages (the
-    interval boundary and a prompt end or finish): each hit needs one.
-    """
-    from hkv.models.loader import cache_fingerprint, meta_model
-
-    c = cfg.cache
-    model = meta_model(cfg.model.path)
-    kv = model.kv_layout(1, c.page_size, cfg.model.dtype, "cpu")
-    state = model.state_layout(1, device="cpu", dtype="float32") if c.hybrid else None
-    share = min(1.0, 2 * c.page_size / c.checkpoint_interval) if c.hybrid else 0.0
-    layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), share)
-    digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start
-    fingerprint = cache_fingerprint(cfg.model.path, cfg.model.dtype, c.page_size, cfg.model.tp, cfg.model.device,
-                                    digest_cache=digests)
-    return layout, fingerprint.root_key()
