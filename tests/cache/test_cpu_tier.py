@@ -29,9 +29,6 @@ def stored(tier: CpuTier, i: int, state: bool = False):
     return entry
 
 
-# ---- allocation ------------------------------------------------------------------------
-
-
 def test_entry_counts_must_not_be_negative():
     with pytest.raises(ValueError, match=">= 0"):
         CpuTier(-1, 0)
@@ -111,9 +108,6 @@ def test_free_list_reuses_the_most_recently_freed_id():
     tier.check()
 
 
-# ---- page LRU ----------------------------------------------------------------------------
-
-
 def test_page_eviction_is_least_recently_unpinned_first():
     tier = CpuTier(3, 0)
     for i in range(3):
@@ -175,9 +169,6 @@ def test_pins_nest_and_a_pinned_entry_is_never_evicted():
     assert tier.reserve(key(3)) is None
     tier.check()
     assert tier.entries[key(0)] is e0 and tier.get(key(0)) is e0
-
-
-# ---- states ---------------------------------------------------------------------------------
 
 
 def test_reserve_state_needs_a_pinned_entry_without_a_state():
@@ -276,9 +267,6 @@ def test_a_pinned_entrys_state_is_never_evicted():
     assert tier.reserve_state(e1) == 0
     tier.check()
     assert e0.state is None
-
-
-# ---- drop, drop_state, flush ------------------------------------------------------------
 
 
 def test_drop_frees_page_and_state_and_forgets_the_key():
@@ -380,8 +368,6 @@ def test_check_names_a_broken_book():
     with pytest.raises(AssertionError, match="page LRU differs"):
         tier.check()
 
-
-# ---- random sequences -------------------------------------------------------------------------
 
 KEYS = st.integers(0, 7)
 

@@ -29,9 +29,6 @@ def floats(view) -> torch.Tensor:
     return torch.frombuffer(bytearray(view), dtype=torch.float32)
 
 
-# ---- HostLayout ---------------------------------------------------------------------------
-
-
 def test_for_model_splits_the_budget_into_pages_and_states():
     lay = hybrid_layout(10)
     assert (lay.num_pages, lay.num_states) == (10, 5)
@@ -89,9 +86,6 @@ def test_descriptor_names_the_entry_shape_not_the_counts():
     assert small.descriptor == big.descriptor == "kv:2x2x2x2x4:float32|state:conv3x6x2+rec3x2x3x2:float32"
     bf16 = HostLayout.for_model(KVLayout(**{**KV.__dict__, "dtype": "bfloat16"}), STATE, 10**5, 0.5)
     assert bf16.descriptor != small.descriptor and bf16.page_bytes == PAGE_BYTES // 2
-
-
-# ---- HostPool views -----------------------------------------------------------------------------
 
 
 def test_views_have_the_device_pools_axis_order():
@@ -188,9 +182,6 @@ def test_a_bytearray_buffer_aliases_like_a_memoryview():
     host = HostPool(lay, bytearray(lay.nbytes))
     host.page_view(0)[:4] = b"\x00\x00\x80\x3f"  # 1.0f, as a disk read would write it
     assert host.k[0, 0, 0, 0, 0].item() == 1.0
-
-
-# ---- copy_blocks between device pools and the host pool --------------------------------------
 
 
 def test_copy_blocks_moves_kv_pages_to_host_entries_and_back():
