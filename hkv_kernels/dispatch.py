@@ -1,100 +1,154 @@
 """Model-facing ops: the Triton kernels when tensors live on CUDA, the pure-torch references otherwise.
 
-Every op takes raw tensors with the signature of its `hkv_kernels/<op>/reference.py`
-function (slots as an int tensor instead of a list): the model files call these
-on CPU and CUDA alike and pick the pool layers and batch fields themselves.
-Kernel modules are imported lazily, on the first CUDA call, so a CPU process
-never imports Triton (and the kernel tests can choose the interpreter before
-the first import).
+Every op takes raw tensors and the step's `KernelMeta` (hkv_kernels/meta.py), never
+a model object. On CUDA no op builds metadata or copies host to device, so a forward
+made of these ops can be captured in a CUDA graph. Kernel modules are imported lazily,
+on the first CUDA call, so a CPU process never imports Triton (and the kernel tests can
+choose the interpreter before the first import).
 """
 
 from __future__ import annotations
 
 import torch
 
+from hkv_kernels.meta import KernelMeta
+
 
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    q_lens: list[int],
-    kv_lens: list[int],
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
+    scale: float, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each sequence's new queries over its paged K/V, causal among the new tokens.
 
-    q: [T, Hq, D] all new tokens in batch order; k_cache, v_cache: [P, page_size, Hkv, D]
-    one storage layer with the new tokens' K/V already written; page_table: [B, max_pages]
-    int (moved to q's device if it is not there); q_lens, kv_lens: [B] (kv_len counts
-    cached + new). Returns [T, Hq, D] in q's dtype.
+    q: [T, Hq, D]; k_cache, v_cache: [P, page_size, Hkv, D] one storage layer (the new tokens'
+    K/V already written); page_table: [R, max_pages], sequence b reads row meta.table_rows[b];
+    gate: optional [T, Hq, D], then the result is out * sigmoid(gate).
+    Returns [T, Hq, D] in q's dtype.
     """
     if not q.is_cuda:
         from hkv_kernels.paged_attention.reference import paged_attention_ref
 
-        return paged_attention_ref(q, k_cache, v_cache, page_table, q_lens, kv_lens, scale)
+        rows = page_table.index_select(0, meta.table_rows)
+        out = paged_attention_ref(q, k_cache, v_cache, rows, meta.q_len.tolist(), meta.kv_len.tolist(), scale)
+        if gate is None:
+            return out
+        # on flattened rows, as the models always computed it (sigmoid of a strided view rounds
+        # differently in fp32 on CPU)
+        num_tokens = q.shape[0]
+        return (out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))).view(out.shape)
     from hkv_kernels.paged_attention.triton_paged_attention import paged_attention as paged_attention_triton
 
-    page_table = page_table.to(q.device, non_blocking=True)
-    return paged_attention_triton(q, k_cache, v_cache, page_table, q_lens, kv_lens, scale)
+    return paged_attention_triton(q, k_cache, v_cache, page_table, meta, scale, gate=gate)
 
 
 def causal_conv1d(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    weight: torch.Tensor,
-    q_lens: list[int],
-    slots: torch.Tensor,
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, meta: KernelMeta,
     keep_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged causal conv1d + silu over state slots (no bias, as Qwen3.5/Qwen3-Next use).
 
-    x: [T, C]; conv_state: [S, C, K-1] one layer of the state pool (updated);
-    weight: [C, K]; q_lens: [B]; slots: [B] int tensor; keep_slots: see the kernel.
-    Returns [T, C] in x's dtype.
+    x: [T, C]; conv_state: [S, C, K-1] one layer of the state pool (updated); weight: [C, K];
+    slots: [B] int tensor; keep_slots: see the kernel. Returns [T, C] in x's dtype.
     """
     if not x.is_cuda:
         from hkv_kernels.conv1d.reference import causal_conv1d_ref
 
-        return causal_conv1d_ref(x, conv_state, weight, q_lens, slots.tolist(), keep_slots=keep_slots)
+        return causal_conv1d_ref(x, conv_state, weight, meta.q_len.tolist(), slots.tolist(), keep_slots=keep_slots)
     from hkv_kernels.conv1d.triton_conv1d import causal_conv1d as causal_conv1d_triton
 
-    return causal_conv1d_triton(x, conv_state, weight, q_lens, slots.to(x.device), keep_slots=keep_slots)
+    return causal_conv1d_triton(x, conv_state, weight, slots, meta, keep_slots=keep_slots)
 
 
 def gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    q_lens: list[int],
-    slots: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    gate_params: tuple[torch.Tensor, torch.Tensor], state: torch.Tensor, slots: torch.Tensor, meta: KernelMeta,
     keep_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Ragged gated delta rule over state slots (qk l2norm on, scale Dk^-0.5).
+    """Ragged gated delta rule over state slots (qk l2norm on, scale Dk^-0.5), gates included.
 
-    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; state: [S, Hv, Dk, Dv] fp32
-    (updated); q_lens: [B]; slots: [B] int tensor; keep_slots: None or [B, max_n].
-    On CUDA: fla-core's chunk kernel when a sequence has > 1 token, inputs are
-    bf16/fp16 (fla's fp32 path uses tf32 dots; fp32 serving is the exact parity
-    mode), fla-core is installed and no intermediate states are kept; hkv's
-    recurrent kernel otherwise.
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; a, b: [T, Hv] the gate projections and gate_params =
+    (A_log, dt_bias) [Hv] (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b));
+    state: [S, Hv, Dk, Dv] fp32 (updated); slots: [B] int tensor; keep_slots: None or [B, max_n].
+    On CUDA: fla-core's chunk kernel when a sequence has > 1 token, inputs are bf16/fp16 (fla's
+    fp32 path uses tf32 dots; fp32 serving is the exact parity mode), fla-core is installed and
+    no intermediate states are kept; hkv's recurrent kernel (gates fused in) otherwise.
     Returns [T, Hv, Dv] in q's dtype.
     """
+    from hkv_kernels.gdn.reference import gdn_gates_ref
+
     if not q.is_cuda:
         from hkv_kernels.gdn.reference import gated_delta_rule_ref
 
-        return gated_delta_rule_ref(q, k, v, g, beta, state, q_lens, slots.tolist(), keep_slots=keep_slots)
+        g, beta = gdn_gates_ref(a, b, *gate_params)
+        return gated_delta_rule_ref(q, k, v, g, beta, state, meta.q_len.tolist(), slots.tolist(), keep_slots=keep_slots)
     from hkv_kernels.gdn.fla_chunk import fla_available, gated_delta_rule_chunked
     from hkv_kernels.gdn.triton_recurrent import gated_delta_rule_recurrent
 
-    slots = slots.to(q.device)
-    chunked = keep_slots is None and q.dtype != torch.float32 and max(q_lens, default=0) > 1
+    chunked = keep_slots is None and q.dtype != torch.float32 and meta.max_q_len > 1
     if chunked and fla_available():
-        return gated_delta_rule_chunked(q, k, v, g, beta, state, q_lens, slots)
-    return gated_delta_rule_recurrent(q, k, v, g, beta, state, q_lens, slots, keep_slots=keep_slots)
+        g, beta = gdn_gates_ref(a, b, *gate_params)
+        return gated_delta_rule_chunked(q, k, v, g, beta, state, slots, meta)
+    return gated_delta_rule_recurrent(q, k, v, a, b, state, slots, meta, keep_slots=keep_slots, gate_params=gate_params)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) over the last dim; without residual (RMSNorm(x), x).
+
+    plus_one: Qwen3.5's (1 + w) scale in fp32, else Qwen3's cast-then-scale. On CUDA the new
+    residual is written in place into `residual`. x: [T, D] (or [T, H, D] without residual); weight: [D].
+    """
+    if not x.is_cuda:
+        from hkv_kernels.norm.reference import add_rms_norm_ref
+
+        return add_rms_norm_ref(x, residual, weight, eps, plus_one)
+    from hkv_kernels.norm.triton_norm import rms_norm as rms_norm_triton
+
+    out, summed = rms_norm_triton(x, weight, eps, plus_one, residual=residual)
+    return out, x if summed is None else summed
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight * silu(gate) over the last dim; x, gate: [T, H, D]; weight: [D]."""
+    if not x.is_cuda:
+        from hkv_kernels.norm.reference import gated_rms_norm_ref
+
+        return gated_rms_norm_ref(x, gate, weight, eps)
+    from hkv_kernels.norm.triton_norm import gated_rms_norm as gated_rms_norm_triton
+
+    return gated_rms_norm_triton(x, gate, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; gate, up: [T, I] (column-contiguous views allowed)."""
+    if not gate.is_cuda:
+        from hkv_kernels.activation.reference import silu_mul_ref
+
+        return silu_mul_ref(gate, up)
+    from hkv_kernels.activation.triton_activation import silu_mul as silu_mul_triton
+
+    return silu_mul_triton(gate, up)
+
+
+def attention_prep(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    positions: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, plus_one: bool,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Per-head q/k RMSNorm and rope, K/V written into one storage layer's cache at the slots.
+
+    q: [T, Hq, D]; k, v: [T, Hkv, D]; cos, sin: per token [T, rot] on CPU, the rotary's
+    [max_pos, rot] tables on CUDA (indexed by positions [T]). Returns q rotated: [T, Hq, D].
+    """
+    if not q.is_cuda:
+        from hkv_kernels.rope.reference import attention_prep_ref
+
+        return attention_prep_ref(q, k, v, cos, sin, q_norm, k_norm, eps, plus_one, k_cache, v_cache, slot_mapping)
+    from hkv_kernels.rope.triton_rope import attention_prep as attention_prep_triton
+
+    return attention_prep_triton(q, k, v, cos, sin, positions, q_norm, k_norm, eps, plus_one,
+                                 k_cache, v_cache, slot_mapping)
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:

@@ -3,27 +3,40 @@
 The runner owns the device pools and the per-slot sampling params. It reads
 page ids from the request table (written by the router before the plan was
 sent) and never decides anything.
+
+On CUDA a step's arrays and kernel metadata go to the device in one copy (a
+StepArena), page ids are mirrored incrementally (DevicePageTable), and decode
+steps replay CUDA graphs (hkv/engine/cuda_graphs.py); prefill and mixed steps
+run eagerly over the same kind of batch. On CPU the batch is built as plain
+tensors and the forward runs the pure-torch references.
 """
 
 from __future__ import annotations
 
 import time
-from itertools import chain
 
 import numpy as np
 import torch
 
 from hkv.cache.types import LoadPages, LoadState, RestoreCheckpoint, SaveCheckpoint, StorePages, StoreState
+from hkv.engine.cuda_graphs import DecodeGraphs
 from hkv.engine.sampler import SampleRow, sample
+from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import Sampled, SamplingParams, StepPlan, StepResult
 from hkv.ipc.request_table import RequestTable
 from hkv.models.batch import ForwardBatch
 from hkv_kernels.dispatch import copy_blocks  # imports no kernel until a CUDA tensor asks
+from hkv_kernels.meta import StepArena, attention_tile, kernel_meta, meta_arrays
 
 
 class ModelRunner:
+    """Runs plans on one device. On CUDA, pass `scratch` = (a KV page and a state slot the router
+    never uses; the state slot None for dense models) so padded graph rows have somewhere to write,
+    `max_tokens` (the step token budget) and `graph_max_bs` (0: no CUDA graphs)."""
+
     def __init__(self, model: torch.nn.Module, kv, state, table: RequestTable, page_size: int, device: str,
-                 host=None):
+                 host=None, scratch: tuple[int, int | None] | None = None, max_tokens: int = 0,
+                 graph_max_bs: int = 0):
         self.model = model
         self.host = host  # HostPool: the CPU tier's shm entries (pinned on CUDA), None without tiers
         self.kv = kv  # KVPool: K/V pages of the full-attention layers
@@ -33,6 +46,28 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampling: dict[int, SamplingParams] = {}  # slot -> params of the sequence in it
         self.state_slots: dict[int, int] = {}  # slot -> live linear-state slot of its sequence
+        cfg = model.cfg
+        self.attn_dims: tuple[int, int] = (cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim)
+        self.pages: DevicePageTable | None = None  # CUDA: page ids mirrored on the device
+        self.arena: StepArena | None = None  # CUDA: the eager steps' metadata buffer
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            self._init_cuda(scratch, max_tokens, graph_max_bs)
+
+    def _init_cuda(self, scratch: tuple[int, int | None] | None, max_tokens: int, graph_max_bs: int) -> None:
+        if scratch is None or max_tokens <= 0:
+            raise ValueError("a CUDA runner needs a scratch page (and slot) and the step token budget")
+        layout = self.table.layout
+        self.pages = DevicePageTable(layout.slots, layout.max_pages, self.device, scratch[0])
+        seqs = layout.slots
+        self.arena = StepArena(5 * max_tokens + 12 * (seqs + 2) + 4 * seqs + 256, self.device)
+        if graph_max_bs > 0 and getattr(self.model, "graph_safe", True):
+            self.graphs = DecodeGraphs(self.model, self.kv, self.state, self.pages, min(graph_max_bs, seqs),
+                                       self.attn_dims, scratch[1], self.page_size)
+
+    def capture_graphs(self) -> float:
+        """Capture the decode graphs (start-up); returns the seconds it took (0 without graphs)."""
+        return self.graphs.capture_all() if self.graphs is not None else 0.0
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan; failures become a StepResult with `error` set."""
@@ -43,6 +78,8 @@ class ModelRunner:
             self.sampling[seq.slot] = seq.sampling
             if seq.state_slot is not None:
                 self.state_slots[seq.slot] = seq.state_slot
+            if self.pages is not None:
+                self.pages.reset(seq.slot)
         forward_s = 0.0
         if not plan.chunks:  # a copies-only plan (tier stores while nothing runs)
             try:
@@ -54,18 +91,17 @@ class ModelRunner:
             return StepResult(plan.step, [], 0.0)
         try:
             with torch.inference_mode():
-                batch = self.build_batch(plan)
                 self._run_cache_ops(plan)
                 self._reset_fresh_states(plan)
                 start = time.perf_counter()
-                logits = self.model(batch, self.kv, self.state)  # [S, vocab]
-                forward_s = time.perf_counter() - start
+                logits = self.forward(plan)  # [S, vocab]
                 rows = [
                     SampleRow(self.sampling[c.slot], c.start_pos + len(c.token_ids))
                     for c in plan.chunks
                     if c.sample
                 ]
-                outs = sample(logits, rows)
+                outs = sample(logits, rows)  # waits for the device: only the sampled ids come back
+                forward_s = time.perf_counter() - start
         except Exception as exc:  # a failed step fails its requests, not the rank
             return StepResult(plan.step, [], forward_s, f"{type(exc).__name__}: {exc}")
         slots = [c.slot for c in plan.chunks if c.sample]
@@ -134,33 +170,46 @@ class ModelRunner:
             if chunk.start_pos == 0:
                 self.state.zero_slot(self.state_slots[chunk.slot])
 
-    def _state_slot_tensor(self, slots: np.ndarray) -> torch.Tensor:
-        return torch.tensor([self.state_slots[s] for s in slots.tolist()], dtype=torch.long, device=self.device)
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """The plan's forward: logits [S, vocab] of its sampling chunks (a graph replay for
+        decode steps that fit a captured bucket, an eager forward otherwise)."""
+        inputs = StepInputs.of(plan.chunks, self.table, self.page_size,
+                               self.state_slots if self.state is not None else None)
+        if self.pages is None:
+            return self.model(self.cpu_batch(inputs), self.kv, self.state)
+        idx, vals = self.pages.updates(inputs, self.table, self.page_size)
+        decode = bool((inputs.q_lens == 1).all()) and len(inputs.logits_indices) == len(inputs.q_lens)
+        if self.graphs is not None and decode and self.graphs.bucket(len(inputs.q_lens)) is not None:
+            return self.graphs.replay(inputs, idx, vals)
+        return self.model(self.cuda_batch(inputs, idx, vals), self.kv, self.state)
 
-    def build_batch(self, plan: StepPlan) -> ForwardBatch:
-        """Flatten the plan's chunks into one ragged batch (see hkv/models/batch.py)."""
-        ps = self.page_size
-        chunks = plan.chunks
-        q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)  # [B]
-        starts = np.array([c.start_pos for c in chunks], dtype=np.int64)  # [B]
-        kv_lens = starts + q_lens  # [B]
-        slots = np.array([c.slot for c in chunks], dtype=np.int64)
-        max_pages = int((kv_lens.max() + ps - 1) // ps)
-        page_table = self.table.page_ids[slots, :max_pages].astype(np.int64)  # [B, max_pages]
-        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)  # [T]
-        first_token = np.cumsum(q_lens) - q_lens  # [B]
-        positions = starts[seq_of_token] + (np.arange(int(q_lens.sum())) - first_token[seq_of_token])  # [T]
-        slot_mapping = page_table[seq_of_token, positions // ps] * ps + positions % ps  # [T]
-        sample_rows = np.array([c.sample for c in chunks], dtype=bool)
-        logits_indices = (first_token + q_lens - 1)[sample_rows]  # [S]
-        dev = self.device
+    def cpu_batch(self, inputs: StepInputs) -> ForwardBatch:
+        """The CPU forward's batch: page table rows per sequence, in batch order."""
+        return ForwardBatch.from_lists(
+            inputs.input_ids, inputs.positions, inputs.q_lens, inputs.kv_lens,
+            torch.from_numpy(inputs.page_rows(self.table)), inputs.slot_mapping, inputs.logits_indices,
+            state_slots=inputs.state_slots,
+        )
+
+    def cuda_batch(self, inputs: StepInputs, idx: np.ndarray, vals: np.ndarray) -> ForwardBatch:
+        """An eager CUDA step's batch: every array in one arena copy, page ids by request-table row."""
+        group, head_dim = self.attn_dims
+        tile = attention_tile(int(inputs.q_lens.max()), group, head_dim, self.kv.k.dtype)
+        arrays = meta_arrays(inputs.q_lens, inputs.kv_lens, inputs.rows, max(1, tile[0] // group))
+        arrays.update(input_ids=inputs.input_ids, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
+                      logits_indices=inputs.logits_indices)
+        if inputs.state_slots is not None:
+            arrays["state_slots"] = inputs.state_slots
+        fits = sum(len(a) + 2 for a in arrays.values()) + 2 * len(idx) + 8 <= self.arena.capacity
+        if fits:
+            arrays.update(table_idx=idx, table_val=vals)
+        else:
+            self.pages.upload(idx, vals)
+        views = self.arena.pack(arrays)
+        if fits:
+            self.pages.apply(views["table_idx"], views["table_val"])
         return ForwardBatch(
-            input_ids=torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
-            q_lens=q_lens.tolist(),
-            kv_lens=kv_lens.tolist(),
-            page_table=torch.from_numpy(page_table).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            logits_indices=torch.from_numpy(logits_indices).to(dev),
-            state_slots=None if self.state is None else self._state_slot_tensor(slots),
+            input_ids=views["input_ids"], positions=views["positions"], slot_mapping=views["slot_mapping"],
+            logits_indices=views["logits_indices"], page_table=self.pages.table,
+            meta=kernel_meta(views, inputs.q_lens, tile), state_slots=views.get("state_slots"),
         )

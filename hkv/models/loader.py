@@ -228,6 +228,7 @@ def load_model(path: str | Path, dtype: str, device: str) -> LoadedModel:
     model = _build_empty(family, cfg, TORCH_DTYPES[dtype], device)
     model.load_weights(iter_tensors(shards))
     model.eval()
+    model.prepare_for_device()  # CUDA: fused projections (views of one weight; CPU: nothing)
     return LoadedModel(model=model, hf_config=hf_config)
 
 

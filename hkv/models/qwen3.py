@@ -98,15 +98,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # cast before scaling, as transformers does, so bf16 rounding matches
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused in (dispatch.rms_norm)."""
+        return dispatch.rms_norm(x, self.weight, self.eps, plus_one=False, residual=residual)
 
 
 class Rotary:
-    """Default rope: cos/sin tables for given positions (not a module, so it holds no weights)."""
+    """Default rope: cos/sin for given positions (not a module, so it holds no weights).
+
+    CPU forwards compute each step's cos/sin; CUDA ones index whole-context tables, built once
+    with the same ops (so every value equals the per-step one), from inside the kernels.
+    """
 
     def __init__(self, rot_dim: int, theta: float) -> None:
         self.rot_dim = rot_dim
@@ -115,6 +117,8 @@ class Rotary:
         exponents = torch.arange(0, rot_dim, 2, dtype=torch.float, device="cpu") / rot_dim
         self.inv_freq = 1.0 / (theta**exponents)  # [D/2]
         self._per_device: dict[torch.device, torch.Tensor] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.max_positions: int = 0  # table length on CUDA; set by the family from its context length
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64 -> cos, sin: [T, rot_dim] in `dtype`."""
@@ -125,15 +129,16 @@ class Rotary:
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, D] -> [T, heads, D] (rotates all D dims)."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    def for_batch(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """What dispatch.attention_prep takes: per-token cos/sin [T, rot] on CPU, the
+        [max_positions, rot] tables on CUDA (the kernel indexes them by position)."""
+        if not positions.is_cuda:
+            return self.cos_sin(positions, dtype)
+        key = (positions.device, dtype)
+        if key not in self._tables:
+            all_positions = torch.arange(self.max_positions, device=positions.device)
+            self._tables[key] = tuple(t.contiguous() for t in self.cos_sin(all_positions, dtype))
+        return self._tables[key]
 
 
 class Qwen3Attention(nn.Module):
@@ -154,21 +159,54 @@ class Qwen3Attention(nn.Module):
         # per-head norms over D, before rope
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qkv = FusedLinear((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVPool
     ) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))  # [T, Hq, D]
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(self.layer_idx, batch.slot_mapping, k, v)
+        q, k, v = self.qkv(x)
         s = kv.layer_map[self.layer_idx]
-        out = dispatch.paged_attention(
-            q, kv.k[s], kv.v[s], batch.page_table, batch.q_lens, batch.kv_lens, self.scale
-        )  # [T, Hq, D]
+        q = dispatch.attention_prep(
+            q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
+            v.view(T, self.num_kv_heads, self.head_dim), cos, sin, batch.positions, self.q_norm.weight,
+            self.k_norm.weight, self.q_norm.eps, False, kv.k[s], kv.v[s], batch.slot_mapping,
+        )  # [T, Hq, D], the new K/V written
+        out = dispatch.paged_attention(q, kv.k[s], kv.v[s], batch.page_table, batch.meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
+
+
+class FusedLinear(nn.Module):
+    """Several projections of the same input: separate GEMMs, or on CUDA one GEMM over their
+    weights concatenated (`fuse`), returning views of its output in the same order.
+
+    The modules keep their parameters (checkpoint names and loading are unchanged): after
+    `fuse`, each weight (and bias) is a view of the concatenated one, so memory is not doubled.
+    CPU forwards never fuse, so their GEMMs and results stay exactly as transformers' are.
+    """
+
+    def __init__(self, parts: tuple[nn.Linear, ...]) -> None:
+        super().__init__()
+        self.parts = parts  # a plain tuple: the parameters stay registered on their owners only
+        self.weight: torch.Tensor | None = None  # [sum(out), in] once fused
+        self.bias: torch.Tensor | None = None
+        self.splits: list[int] = [p.out_features for p in parts]
+
+    def fuse(self) -> None:
+        with torch.no_grad():
+            self.weight = torch.cat([p.weight for p in self.parts])
+            has_bias = [p.bias is not None for p in self.parts]
+            self.bias = torch.cat([p.bias for p in self.parts]) if all(has_bias) else None
+            for part, w in zip(self.parts, self.weight.split(self.splits)):
+                part.weight.data = w
+            if self.bias is not None:
+                for part, b in zip(self.parts, self.bias.split(self.splits)):
+                    part.bias.data = b
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.weight is None:
+            return tuple(p(x) for p in self.parts)
+        return F.linear(x, self.weight, self.bias).split(self.splits, dim=-1)
 
 
 class Qwen3MLP(nn.Module):
@@ -177,9 +215,10 @@ class Qwen3MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up = FusedLinear((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, H]
+        return self.down_proj(dispatch.silu_mul(*self.gate_up(x)))  # [T, H]
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -191,10 +230,14 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVPool
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))  # [T, H]
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        batch: ForwardBatch, kv: KVPool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output ([T, H]; the embeddings for the first layer, with
+        residual None); returns (this MLP's output, the residual stream before it)."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, batch, kv), residual)
+        return self.mlp(h), residual  # [T, H] each
 
 
 class Qwen3Model(nn.Module):
@@ -240,6 +283,15 @@ def load_params(
         )
 
 
+def fuse_projections(model: nn.Module) -> None:
+    """Fuse every FusedLinear of a model on CUDA (CPU models keep separate GEMMs)."""
+    if next(model.parameters()).device.type != "cuda":
+        return
+    for module in model.modules():
+        if isinstance(module, FusedLinear):
+            module.fuse()
+
+
 class Qwen3ForCausalLM(nn.Module):
     config_class = Qwen3Config
 
@@ -250,6 +302,7 @@ class Qwen3ForCausalLM(nn.Module):
         # tied checkpoints reuse the embedding matrix as the output projection
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary.max_positions = cfg.max_position_embeddings
 
     @property
     def layer_map(self) -> dict[int, int]:
@@ -286,10 +339,16 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVPool, state: object = None) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows batch.logits_indices; writes the new tokens' K/V into `kv`."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, D]
+        cos, sin = self.rotary.for_batch(batch.positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, kv)
+            x, residual = layer(x, residual, cos, sin, batch, kv)
         # the final norm is per token, so only the rows we return need it
-        h = self.model.norm(x[batch.logits_indices])  # [S, H]
+        rows = batch.logits_indices
+        h, _ = self.model.norm(x[rows], residual[rows])  # [S, H]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()  # [S, vocab]
+
+    def prepare_for_device(self) -> None:
+        """After loading, on CUDA: one GEMM per group of projections of the same input."""
+        fuse_projections(self)

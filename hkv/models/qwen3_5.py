@@ -15,17 +15,19 @@ Numerics follow transformers' modeling_qwen3_5 (the reference):
 
 State contract: a linear layer reads and overwrites
 `state.conv/recurrent[state.layer_map[layer], batch.state_slots[b]]` for
-every sequence b. A fresh sequence (kv_lens == q_lens) must arrive with a
+every sequence b. A fresh sequence (kv_len == q_len) must arrive with a
 zeroed slot: the caller zeroes it (StatePool.zero_slot), the model never does.
 Prefill chunks (q_len > 1) take the chunked delta rule, decode (q_len == 1)
 the recurrent one; a prompt split into chunks anywhere gives the unsplit
 result up to float rounding.
 
-Kernels: attention and the GDN conv + delta rule go through
-`hkv_kernels.dispatch` on raw pool tensors, which runs the pure-torch
-references (hkv_kernels/<op>/reference.py) for CPU tensors and the Triton /
-fla-core kernels for CUDA ones (docs/kernels.md). The glue around them (gates,
-gated output norm, which pool layer and slots a layer reads) lives here.
+Kernels: every op of the forward (norms with the residual add, attention prep
+and paged attention with its gate, conv, gates + delta rule, gated norm,
+SiLU-and-mul) goes through `hkv_kernels.dispatch` on raw tensors and the step's
+KernelMeta: the pure-torch references (hkv_kernels/<op>/reference.py) for CPU
+tensors, the Triton / fla-core kernels for CUDA ones (docs/kernels.md), with
+projections of the same input fused into one GEMM on CUDA (FusedLinear). The
+glue around them (which pool layer and slots a layer reads) lives here.
 
 Names: T new tokens in the batch, S rows whose logits are returned, Hq / Hkv
 attention heads, D head dim, rot rotary dims, C conv channels, Hk / Hv and
@@ -45,7 +47,7 @@ from torch import nn
 
 from hkv.models.batch import ForwardBatch
 from hkv.models.qwen3 import Qwen3MLP as MLP  # the same SwiGLU MLP; qwen3_next imports it from here
-from hkv.models.qwen3 import Rotary, apply_rope, default_rope_theta, load_params
+from hkv.models.qwen3 import FusedLinear, Rotary, default_rope_theta, fuse_projections, load_params
 from hkv.storage.kv_pool import KVLayout, KVPool
 from hkv.storage.state_pool import StateLayout, StatePool
 from hkv_kernels import dispatch
@@ -165,10 +167,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused in (dispatch.rms_norm)."""
+        return dispatch.rms_norm(x, self.weight, self.eps, plus_one=True, residual=residual)
 
 
 class GatedRMSNorm(nn.Module):
@@ -183,33 +184,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """x, gate: [..., D] -> [..., D] in x's dtype."""
-        in_dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(in_dtype)
-        h = h * F.silu(gate.to(torch.float32))
-        return h.to(in_dtype)
-
-
-def gdn_gates(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token decay and write strength of the delta rule, from the a/b projections.
-
-    a, b: [T, Hv] (model dtype); A_log, dt_bias: [Hv].
-    Returns g: [T, Hv] fp32 log-decay (<= 0) and beta: [T, Hv] in b's dtype.
-    """
-    beta = b.sigmoid()
-    # A_log goes through fp32 first: in fp16, exp(A_log) can overflow to inf
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return g, beta
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rope on the first rot dims of each head, the rest passes through; x: [T, H, D], cos/sin: [T, rot]."""
-    rot = cos.shape[-1]
-    return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+        """x, gate: [T, H, D] -> [T, H, D] in x's dtype."""
+        return dispatch.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class GatedAttention(nn.Module):
@@ -228,23 +204,24 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
+        self.qkv = FusedLinear((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv: KVPool
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        query, gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(query)  # [T, Hq, D]
-        k = self.k_norm(self.k_proj(x).view(num_tokens, self.kv_heads, self.head_dim))  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
-        kv.write(self.layer_idx, batch.slot_mapping, k, v)
+        query_gate, k, v = self.qkv(x)
+        query, gate = query_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         s = kv.layer_map[self.layer_idx]
+        q = dispatch.attention_prep(
+            query, k.view(num_tokens, self.kv_heads, self.head_dim), v.view(num_tokens, self.kv_heads, self.head_dim),
+            cos, sin, batch.positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, True,
+            kv.k[s], kv.v[s], batch.slot_mapping,
+        )  # [T, Hq, D], the new K/V written
         out = dispatch.paged_attention(
-            q, kv.k[s], kv.v[s], batch.page_table, batch.q_lens, batch.kv_lens, self.scale
-        )  # [T, Hq, D]
-        out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))  # [T, Hq * D]
-        return self.o_proj(out)
+            q, kv.k[s], kv.v[s], batch.page_table, batch.meta, self.scale, gate=gate
+        )  # [T, Hq, D], already times sigmoid(gate)
+        return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class GatedDeltaNet(nn.Module):
@@ -274,34 +251,37 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
         self.in_proj_a = nn.Linear(cfg.hidden_size, self.v_heads, bias=False)
+        self.in_proj = FusedLinear((self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> conv input q|k|v [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
-        z = self.in_proj_z(x).view(x.shape[0], self.v_heads, self.v_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        """x: [T, hidden] -> conv input q|k|v [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv] (views of
+        one GEMM's output on CUDA)."""
+        qkv, z, b, a = self.in_proj(x)
+        return qkv, z.view(x.shape[0], self.v_heads, self.v_dim), b, a
 
     def mix(
-        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: ForwardBatch, state: StatePool
+        self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: ForwardBatch, state: StatePool
     ) -> torch.Tensor:
-        """Conv, split and delta rule of every sequence, from and overwriting its state slot.
+        """Conv, split, gates and delta rule of every sequence, from and overwriting its state slot.
 
-        qkv: [T, C] conv inputs q|k|v; g, beta: [T, Hv]. Reads and writes
+        qkv: [T, C] conv inputs q|k|v; a, b: [T, Hv] the gate projections. Reads and writes
         state.conv/recurrent[state.layer_map[layer], batch.state_slots[b]].
         Returns core: [T, Hv, Dv] in qkv's dtype.
         """
         s = state.layer_map[self.layer_idx]
-        slots, q_lens, num_tokens = batch.state_slots, batch.q_lens, qkv.shape[0]
-        conv_out = dispatch.causal_conv1d(qkv, state.conv[s], self.conv1d.weight[:, 0], q_lens, slots)  # [T, C]
+        slots, num_tokens = batch.state_slots, qkv.shape[0]
+        conv_out = dispatch.causal_conv1d(qkv, state.conv[s], self.conv1d.weight[:, 0], slots, batch.meta)  # [T, C]
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(num_tokens, self.k_heads, self.k_dim)  # [T, Hk, Dk]
         k = k.reshape(num_tokens, self.k_heads, self.k_dim)  # [T, Hk, Dk]
         v = v.reshape(num_tokens, self.v_heads, self.v_dim)  # [T, Hv, Dv]
-        return dispatch.gated_delta_rule(q, k, v, g, beta, state.recurrent[s], q_lens, slots)
+        return dispatch.gated_delta_rule(
+            q, k, v, a, b, (self.A_log, self.dt_bias), state.recurrent[s], slots, batch.meta
+        )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
         qkv, z, b, a = self.project(x)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
-        core = self.mix(qkv, g, beta, batch, state)  # [T, Hv, Dv]
+        core = self.mix(qkv, a, b, batch, state)  # [T, Hv, Dv]
         core = self.norm(core, z)
         return self.out_proj(core.reshape(x.shape[0], -1))
 
@@ -321,16 +301,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
         batch: ForwardBatch, kv: KVPool, state: StatePool | None,
-    ) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output ([T, hidden]; the embeddings for the first layer, with
+        residual None); returns (this MLP's output, the residual stream before it)."""
+        h, residual = self.input_layernorm(x, residual)
         if self.is_linear:
             h = self.linear_attn(h, batch, state)
         else:
             h = self.self_attn(h, cos, sin, batch, kv)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))  # [T, hidden]
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual  # [T, hidden] each
 
 
 class HybridModel(nn.Module):
@@ -355,19 +337,26 @@ class HybridForCausalLM(nn.Module):
         # tied checkpoints reuse the embedding matrix as the output projection
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.rotary.max_positions = cfg.max_position_embeddings
 
     def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool | None = None) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows batch.logits_indices; writes K/V pages and state slots."""
         if self.cfg.linear_layers and (state is None or batch.state_slots is None):
             raise ValueError("a hybrid model needs a StatePool and batch.state_slots")
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)  # [T, rot]
+        cos, sin = self.rotary.for_batch(batch.positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, kv, state)
+            x, residual = layer(x, residual, cos, sin, batch, kv, state)
         # the final norm is per token, so only the rows we return need it
-        h = self.model.norm(x[batch.logits_indices])  # [S, hidden]
+        rows = batch.logits_indices
+        h, _ = self.model.norm(x[rows], residual[rows])  # [S, hidden]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()  # [S, vocab]
+
+    def prepare_for_device(self) -> None:
+        """After loading, on CUDA: one GEMM per group of projections of the same input."""
+        fuse_projections(self)
 
     @property
     def layer_map(self) -> dict[int, int]:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hkv_kernels.common import next_pow2, ragged_metadata
+from hkv_kernels.meta import CONV_BLOCK_T, KernelMeta, next_pow2
 
 
 @triton.jit
@@ -83,8 +83,8 @@ def causal_conv1d(
     x: torch.Tensor,
     conv_state: torch.Tensor,
     weight: torch.Tensor,
-    q_lens: list[int],
     slots: torch.Tensor,
+    meta: KernelMeta,
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     keep_slots: torch.Tensor | None = None,
@@ -92,9 +92,10 @@ def causal_conv1d(
 ) -> torch.Tensor:
     """Causal depthwise conv of each sequence's new tokens from its slot's state (Triton).
 
-    x: [T, C] new tokens of all B sequences in order (channels contiguous);
+    x: [T, C] new tokens of all B sequences in order (channels contiguous, rows may be strided);
     conv_state: [S, C, K-1] one layer of the state pool (oldest input first), updated in place;
-    weight: [C, K]; bias: [C] or None; q_lens: [B] python ints; slots: [B] int on x's device;
+    weight: [C, K]; bias: [C] or None; slots: [B] int on x's device;
+    meta: the step's KernelMeta (q_start, q_len and the conv block grid);
     keep_slots: None (final state overwrites slots[b]) or [B, max_n] int: state after
         token t goes to keep_slots[b, t] (entries < 0 skipped) and slots[b] is left as it was;
     out: optional [T, C] to write into.
@@ -105,22 +106,22 @@ def causal_conv1d(
     num_tokens, num_channels = x.shape
     ksize = weight.shape[-1]
     assert x.stride(1) == 1 and conv_state.stride(2) == 1 and weight.stride(1) == 1
-    out = torch.empty_like(x) if out is None else out
-    if num_tokens == 0:
+    out = torch.empty(num_tokens, num_channels, dtype=x.dtype, device=x.device) if out is None else out
+    num_blocks = meta.conv_block_seq.numel()
+    if num_tokens == 0 or num_blocks == 0:
         return out
-    dev = x.device
-    block_t, block_c = 16, 128
-    q_start, q_len_t, block_seq, block_tok = ragged_metadata(q_lens, [], block_t, dev)
-    _conv_out_kernel[(block_seq.numel(), triton.cdiv(num_channels, block_c))](
-        x, conv_state, weight, bias if bias is not None else weight, out, q_start, q_len_t, slots, block_seq, block_tok,
+    block_c = 128
+    _conv_out_kernel[(num_blocks, triton.cdiv(num_channels, block_c))](
+        x, conv_state, weight, bias if bias is not None else weight, out, meta.q_start, meta.q_len, slots,
+        meta.conv_block_seq, meta.conv_block_tok,
         num_channels, x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0),
-        KSIZE=ksize, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=block_t, BLOCK_C=block_c,
+        KSIZE=ksize, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=CONV_BLOCK_T, BLOCK_C=block_c,
         num_warps=4,
     )
     keep = keep_slots is not None
     num_out = keep_slots.shape[1] if keep else 1
-    _conv_state_kernel[(len(q_lens), triton.cdiv(num_channels, block_c), num_out)](
-        x, conv_state, q_start, q_len_t, slots, keep_slots if keep else slots, num_channels, x.stride(0),
+    _conv_state_kernel[(meta.num_seqs, triton.cdiv(num_channels, block_c), num_out)](
+        x, conv_state, meta.q_start, meta.q_len, slots, keep_slots if keep else slots, num_channels, x.stride(0),
         conv_state.stride(0), conv_state.stride(1), keep_slots.stride(0) if keep else 0,
         KSIZE=ksize, KEEP=keep, BLOCK_C=block_c, BLOCK_K=next_pow2(ksize - 1), num_warps=4,
     )

@@ -11,6 +11,8 @@ import functools
 
 import torch
 
+from hkv_kernels.meta import KernelMeta
+
 
 # the answer cannot change within a process, and a failed import is retried on every call otherwise
 @functools.cache
@@ -30,30 +32,27 @@ def gated_delta_rule_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    q_lens: list[int],
     slots: torch.Tensor,
+    meta: KernelMeta,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """Chunked delta rule of every sequence from its slot's state; final states written back (fla-core).
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay, fp32), beta: [T, Hv];
     state: [S, Hv, Dk, Dv] fp32, one layer of the state pool, updated in place;
-    q_lens: [B] python ints; slots: [B] int on the GPU.
+    slots: [B] int on the GPU; meta: the step's KernelMeta (cu_seqlens and its host copy).
+    Every sequence must have at least one new token (the runner never plans an empty chunk).
     Returns out: [T, Hv, Dv] in q's dtype.
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    live = [b for b, n in enumerate(q_lens) if n > 0]
-    slot_idx = slots[torch.tensor(live, dtype=torch.long, device=slots.device)].long()
-    initial = state.index_select(0, slot_idx)  # [N, Hv, Dk, Dv]
-    varlen = {}
-    if len(live) > 1:
-        bounds = [0]
-        for b in live:
-            bounds.append(bounds[-1] + q_lens[b])
-        cu_seqlens_cpu = torch.tensor(bounds, dtype=torch.long)
-        # chunk indices come from the host copy: no device sync
-        varlen = dict(cu_seqlens=cu_seqlens_cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cu_seqlens_cpu)
+    bounds = meta.cu_seqlens_host
+    if bool((bounds[1:] == bounds[:-1]).any()):
+        raise ValueError("fla's varlen prefill needs every sequence to have new tokens")
+    slot_idx = slots.long()
+    initial = state.index_select(0, slot_idx)  # [B, Hv, Dk, Dv]
+    # chunk indices come from the host copy: no device sync
+    varlen = dict(cu_seqlens=meta.cu_seqlens, cu_seqlens_cpu=bounds) if meta.num_seqs > 1 else {}
     out, final = chunk_gated_delta_rule(
         q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], g.float().contiguous()[None],
         beta.contiguous()[None], scale=q.shape[-1] ** -0.5, initial_state=initial, output_final_state=True,

@@ -188,3 +188,18 @@ def gated_delta_rule_ref(
                     state[int(keep_slots[b, t])].copy_(current)
         start += n
     return out
+
+
+def gdn_gates_ref(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token decay and write strength of the delta rule, from the a/b projections
+    (transformers' Qwen3.5 / Qwen3-Next gating).
+
+    a, b: [T, Hv] (model dtype); A_log, dt_bias: [Hv].
+    Returns g: [T, Hv] fp32 log-decay (<= 0) and beta: [T, Hv] in b's dtype.
+    """
+    beta = b.sigmoid()
+    # A_log goes through fp32 first: in fp16, exp(A_log) can overflow to inf
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, beta

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hkv_kernels.common import dot_precision, next_pow2, ragged_metadata
+from hkv_kernels.common import dot_precision
+from hkv_kernels.meta import KernelMeta, next_pow2
 
 _LOG2E = 1.4426950408889634
 
@@ -46,11 +47,13 @@ def _attn_block(
 # would compile new variants mid-serving
 @triton.jit(do_not_specialize=["stride_pt", "num_blocks"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, page_table_ptr, q_start_ptr, q_len_ptr, kv_len_ptr, block_seq_ptr, block_tok_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, gate_ptr, page_table_ptr, table_row_ptr, q_start_ptr, q_len_ptr, kv_len_ptr,
+    block_seq_ptr, block_tok_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_pt, qk_scale, num_blocks,
+    stride_ot, stride_oh, stride_gt, stride_gh, stride_pt, qk_scale, num_blocks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    GATE: tl.constexpr,
 ):
     # last token blocks (the longest causal spans) first, so the tail of the grid is short work
     blk = num_blocks - 1 - tl.program_id(0)
@@ -74,7 +77,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    pages_ptr = page_table_ptr + seq.to(tl.int64) * stride_pt
+    pages_ptr = page_table_ptr + tl.load(table_row_ptr + seq).to(tl.int64) * stride_pt
     k_head_off = kv_head * stride_kh
     v_head_off = kv_head * stride_vh
     # keys every row of the tile sees need no mask; the causal edge follows
@@ -93,76 +96,67 @@ def _paged_attention_kernel(
             True, PAGE_SIZE, BLOCK_N, PRECISION,
         )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
+    out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+    if GATE:
+        # the output gate of gated attention, rounded like torch: out * sigmoid(gate), each in the model dtype
+        g_rows = (q_start + tok).to(tl.int64) * stride_gt + head * stride_gh
+        gate = tl.load(gate_ptr + g_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        sig = tl.sigmoid(gate.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) * sig.to(tl.float32)).to(o_ptr.dtype.element_ty)
     o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(o_ptr + o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
-
-
-def _tile_config(q_lens: list[int], group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), from the H200 sweep in docs/kernels.md.
-
-    Decode: few rows, long key blocks to keep many loads in flight. Prefill: wide row tiles.
-    Head dims above 128 get a smaller, unmeasured prefill tile so registers and shared memory fit.
-    fp32 (exact ieee dots, the parity mode) gets small tiles: its dots unroll into scalar FMAs,
-    and with the bf16 prefill tile the head-dim-128 case did not compile within ~70 s on an H200.
-    """
-    decode = max(q_lens, default=1) <= 4
-    decode_rows = max(16, next_pow2(group * max(q_lens, default=1)))
-    if dtype == torch.float32:
-        return (decode_rows, 64, 4, 2) if decode else (max(64, next_pow2(group)), 32, 4, 2)
-    if decode:
-        return decode_rows, 128, 4, 3
-    if head_dim <= 128:
-        return max(256, next_pow2(group)), 64, 8, 2
-    return max(64, next_pow2(group)), 64, 4, 2
+    tl.store(o_ptr + o_rows[:, None] + d[None, :], out, mask=row_mask[:, None] & d_mask[None, :])
 
 
 def launch_paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-    q_lens: list[int], kv_lens: list[int], scale: float, out: torch.Tensor,
-    tile: tuple[int, int, int, int] | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
+    scale: float, out: torch.Tensor, gate: torch.Tensor | None = None, tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Launcher: builds the per-sequence metadata and the token-block grid, writes `out`.
-
-    tile: (BLOCK_M, BLOCK_N, num_warps, num_stages) to override the default (benchmark sweeps).
-    """
+    """Launcher over the step's precomputed metadata (its block grid matches meta.attn_tile);
+    writes `out`. tile: (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the rest of the tile
+    (benchmark sweeps); its BLOCK_M must be meta.attn_tile's."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = tile or _tile_config(q_lens, group, head_dim, q.dtype)
-    block_t = max(1, block_m // group)
-    q_start, q_len_t, kv_len_t, block_seq, block_tok = ragged_metadata(q_lens, [kv_lens], block_t, q.device)
-    num_blocks = block_seq.numel()
+    block_m, block_n, num_warps, num_stages = tile or meta.attn_tile
+    if block_m != meta.attn_tile[0]:
+        raise ValueError(f"tile BLOCK_M {block_m} != the metadata's {meta.attn_tile[0]}")
+    num_blocks = meta.attn_block_seq.numel()
     if num_blocks == 0:
         return out
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1 and out.stride(2) == 1
+    gated = gate is not None
+    if gated:
+        assert gate.shape == out.shape and gate.stride(2) == 1
     _paged_attention_kernel[(num_blocks, num_kv_heads)](
-        q, k_cache, v_cache, out, page_table, q_start, q_len_t, kv_len_t, block_seq, block_tok,
+        q, k_cache, v_cache, out, gate if gated else out, page_table, meta.table_rows, meta.q_start, meta.q_len,
+        meta.kv_len, meta.attn_block_seq, meta.attn_block_tok,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1), page_table.stride(0), scale * _LOG2E, num_blocks,
+        out.stride(0), out.stride(1), gate.stride(0) if gated else 0, gate.stride(1) if gated else 0,
+        page_table.stride(0), scale * _LOG2E, num_blocks,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_T=max(1, block_m // group), BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        GATE=gated, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-    q_lens: list[int], kv_lens: list[int], scale: float, out: torch.Tensor | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
+    scale: float, out: torch.Tensor | None = None, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new queries over its paged K/V (Triton).
 
     q: [T, Hq, D] new tokens of all B sequences, concatenated in batch order;
     k_cache, v_cache: [P, page_size, Hkv, D] one storage layer, the new tokens'
         K/V already written (Hq a multiple of Hkv; query head h reads KV head h // (Hq // Hkv));
-    page_table: [B, max_pages] int32/int64, row b's first ceil(kv_lens[b] / page_size) entries used;
-    q_lens, kv_lens: [B] python ints, new tokens and total (cached + new) tokens per sequence;
-    out: optional [T, Hq, D] to write into.
-    Query i of sequence b sits at position kv_lens[b] - q_lens[b] + i and sees keys up to it.
+    page_table: [R, max_pages] int32/int64; sequence b reads row meta.table_rows[b], whose first
+        ceil(kv_len[b] / page_size) entries are used;
+    meta: the step's KernelMeta (q_start, q_len, kv_len per sequence; the attention block grid);
+    out: optional [T, Hq, D] to write into; gate: optional [T, Hq, D], then out * sigmoid(gate).
+    Query i of sequence b sits at position kv_len[b] - q_len[b] + i and sees keys up to it.
     Returns out: [T, Hq, D] in q's dtype.
     """
     if out is None:
         out = torch.empty_like(q)
-    return launch_paged_attention(q, k_cache, v_cache, page_table, q_lens, kv_lens, scale, out)
+    return launch_paged_attention(q, k_cache, v_cache, page_table, meta, scale, out, gate)

@@ -5,6 +5,7 @@ import torch
 
 from hkv_kernels.conv1d.reference import causal_conv1d_ref
 from hkv_kernels.conv1d.triton_conv1d import causal_conv1d
+from hkv_kernels.meta import build_meta
 from tests.kernels.helpers import assert_close, cases, nan_like
 
 CASES = [
@@ -29,7 +30,8 @@ def test_conv1d_matches_reference(device, dtype, ksize):
     for i, (q_lens, slots) in enumerate(CASES):
         x, weight, state = _inputs(device, dtype, sum(q_lens), channels, ksize, 6, seed=i)
         ref_state = state.cpu().clone()
-        out = causal_conv1d(x, state, weight, q_lens, torch.tensor(slots, device=device), out=nan_like(x))
+        meta = build_meta(q_lens, q_lens, device, 1, 64, dtype)
+        out = causal_conv1d(x, state, weight, torch.tensor(slots, device=device), meta, out=nan_like(x))
         ref = causal_conv1d_ref(x.float().cpu(), ref_state, weight.float().cpu(), q_lens, slots)
         assert_close(out, ref, dtype, f"case {i} out")
         assert_close(state, ref_state, dtype, f"case {i} state")
@@ -41,7 +43,8 @@ def test_conv1d_keeps_state_after_every_token(device, dtype):
     keep = torch.tensor([[0, 2, 3], [5, -1, -1]], device=device)
     x, weight, state = _inputs(device, dtype, 5, 24, 4, 6, seed=7)
     ref_state = state.cpu().clone()
-    out = causal_conv1d(x, state, weight, q_lens, torch.tensor(slots, device=device), keep_slots=keep, out=nan_like(x))
+    meta = build_meta(q_lens, q_lens, device, 1, 64, dtype)
+    out = causal_conv1d(x, state, weight, torch.tensor(slots, device=device), meta, keep_slots=keep, out=nan_like(x))
     ref = causal_conv1d_ref(x.float().cpu(), ref_state, weight.float().cpu(), q_lens, slots, keep_slots=keep.cpu())
     assert_close(out, ref, dtype)
     assert_close(state, ref_state, dtype, "kept states")

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from hkv.models.batch import ForwardBatch
-from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM, gdn_gates
+from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
 from hkv.storage.kv_pool import KVLayout, KVPool
 from hkv.storage.state_pool import StatePool
 from hkv_kernels import dispatch
 from hkv_kernels.conv1d.reference import causal_conv1d
-from hkv_kernels.gdn.reference import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from hkv_kernels.gdn.reference import chunk_gated_delta_rule, gdn_gates_ref, recurrent_gated_delta_rule
 from hkv_kernels.paged_attention.reference import attend
 from tests.models.test_qwen3_5 import TEXT_CONFIG, PagedRun
 
@@ -30,10 +30,11 @@ REPO = Path(__file__).resolve().parents[2]
 def _per_sequence_gdn(layer, x, batch, state):
     """GatedDeltaNet.forward as a loop of the per-sequence references (the pre-dispatch code)."""
     qkv, z, b, a = layer.project(x)
-    g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
+    g, beta = gdn_gates_ref(a, b, layer.A_log, layer.dt_bias)
     s = state.layer_map[layer.layer_idx]
     core = x.new_empty(x.shape[0], layer.v_heads, layer.v_dim)  # [T, Hv, Dv]
-    for start, n, slot in zip(batch.q_starts, batch.q_lens, batch.state_slots.tolist()):
+    meta = batch.meta
+    for start, n, slot in zip(meta.q_start.tolist(), meta.q_len.tolist(), batch.state_slots.tolist()):
         rows = slice(start, start + n)
         conv_out, conv_state = causal_conv1d(qkv[rows], state.conv[s, slot], layer.conv1d.weight[:, 0])
         q, k, v = torch.split(conv_out, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
@@ -66,11 +67,10 @@ def test_cpu_gdn_layer_is_the_per_sequence_reference():
     q_lens, slots = [1, 66, 1], [5, 2, 0]
     num_tokens = sum(q_lens)
     x = torch.randn(num_tokens, cfg.hidden_size)
-    batch = ForwardBatch(
-        input_ids=torch.zeros(num_tokens, dtype=torch.long), positions=torch.zeros(num_tokens, dtype=torch.long),
-        q_lens=q_lens, kv_lens=[71, 67, 10], page_table=torch.zeros(3, 18, dtype=torch.long),
-        slot_mapping=torch.zeros(num_tokens, dtype=torch.long), logits_indices=torch.arange(num_tokens),
-        state_slots=torch.tensor(slots),
+    batch = ForwardBatch.from_lists(
+        input_ids=[0] * num_tokens, positions=[0] * num_tokens, q_lens=q_lens, kv_lens=[71, 67, 10],
+        page_table=torch.zeros(3, 18, dtype=torch.long), slot_mapping=[0] * num_tokens,
+        logits_indices=range(num_tokens), state_slots=slots,
     )
     layer = model.model.layers[0].linear_attn
     ours, expected = _copy(run.state), _copy(run.state)
@@ -84,8 +84,9 @@ def test_cpu_gdn_layer_is_the_per_sequence_reference():
 def _gather_attention(q, kv, layer, batch, scale):
     """The models' paged attention before dispatch took raw tensors: KVPool.gather, then attend."""
     out = torch.empty_like(q)
-    for b, start in enumerate(batch.q_starts):
-        n, kv_len = batch.q_lens[b], batch.kv_lens[b]
+    meta = batch.meta
+    for b, start in enumerate(meta.q_start.tolist()):
+        n, kv_len = meta.q_len[b].item(), meta.kv_len[b].item()
         if n == 0:
             continue
         k, v = kv.gather(layer, batch.page_table[b], kv_len)  # [L, Hkv, D]
@@ -103,14 +104,13 @@ def test_cpu_paged_attention_is_the_gather_loop(dtype):
     # a decode over a page-crossing prefix, an empty sequence, and a prefill chunk after a prefix
     q_lens, kv_lens = [1, 0, 6], [9, 3, 11]
     page_table = torch.tensor([[7, 2, 10, 0], [5, 0, 0, 0], [3, 11, 1, 0]])
-    batch = ForwardBatch(
-        input_ids=torch.zeros(7, dtype=torch.long), positions=torch.zeros(7, dtype=torch.long),
-        q_lens=q_lens, kv_lens=kv_lens, page_table=page_table, slot_mapping=torch.zeros(7, dtype=torch.long),
-        logits_indices=torch.arange(7),
+    batch = ForwardBatch.from_lists(
+        input_ids=[0] * 7, positions=[0] * 7, q_lens=q_lens, kv_lens=kv_lens, page_table=page_table,
+        slot_mapping=[0] * 7, logits_indices=range(7),
     )
     q = torch.randn(7, 4, 16, generator=gen).to(dtype)  # [T, Hq, D]
     s = kv.layer_map[3]
-    got = dispatch.paged_attention(q, kv.k[s], kv.v[s], page_table, q_lens, kv_lens, 0.25)
+    got = dispatch.paged_attention(q, kv.k[s], kv.v[s], page_table, batch.meta, 0.25)
     assert torch.equal(got, _gather_attention(q, kv, 3, batch, 0.25))
 
 

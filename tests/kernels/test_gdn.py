@@ -6,6 +6,7 @@ import torch
 from hkv_kernels.gdn.fla_chunk import fla_available, gated_delta_rule_chunked
 from hkv_kernels.gdn.reference import gated_delta_rule_ref
 from hkv_kernels.gdn.triton_recurrent import gated_delta_rule_recurrent
+from hkv_kernels.meta import build_meta
 from tests.kernels.helpers import HAS_CUDA, REL_TOL, assert_close, cases, nan_like, rel_err
 
 
@@ -39,7 +40,8 @@ def _dims(device):
 def test_recurrent_matches_reference(device, dtype, q_lens, slots):
     q, k, v, g, beta, state = _inputs(device, dtype, sum(q_lens), _dims(device), 6, seed=len(q_lens))
     ref, ref_state = _ref(q, k, v, g, beta, state, q_lens, slots)
-    out = gated_delta_rule_recurrent(q, k, v, g, beta, state, q_lens, torch.tensor(slots, device=device), out=nan_like(v))
+    meta = build_meta(q_lens, q_lens, device, 1, 64, dtype)
+    out = gated_delta_rule_recurrent(q, k, v, g, beta, state, torch.tensor(slots, device=device), meta, out=nan_like(v))
     assert_close(out, ref, dtype)
     assert_close(state, ref_state, dtype, "state")
 
@@ -51,8 +53,9 @@ def test_recurrent_keeps_k_plus_1_states(device, dtype):
     keep = torch.tensor([[0, 2, 3], [5, 6, -1]], device=device)
     q, k, v, g, beta, state = _inputs(device, dtype, 5, _dims(device), 8, seed=3)
     ref, ref_state = _ref(q, k, v, g, beta, state, q_lens, slots, keep)
+    meta = build_meta(q_lens, q_lens, device, 1, 64, dtype)
     out = gated_delta_rule_recurrent(
-        q, k, v, g, beta, state, q_lens, torch.tensor(slots, device=device), keep_slots=keep, out=nan_like(v)
+        q, k, v, g, beta, state, torch.tensor(slots, device=device), meta, keep_slots=keep, out=nan_like(v)
     )
     assert_close(out, ref, dtype)
     assert_close(state, ref_state, dtype, "kept states (live slots untouched)")
@@ -66,7 +69,9 @@ def test_fla_chunk_matches_reference(dtype):
     q_lens, slots = [300, 1, 0, 64, 129], [3, 0, 1, 5, 2]
     q, k, v, g, beta, state = _inputs("cuda", dtype, sum(q_lens), (4, 8, 128, 128), 6, seed=5)
     ref, ref_state = _ref(q, k, v, g, beta, state, q_lens, slots)
-    out = gated_delta_rule_chunked(q, k, v, g, beta, state, q_lens, torch.tensor(slots, device="cuda"))
+    live = [b for b, n in enumerate(q_lens) if n > 0]  # fla takes sequences with new tokens only
+    meta = build_meta([q_lens[b] for b in live], [q_lens[b] for b in live], "cuda", 1, 64, dtype)
+    out = gated_delta_rule_chunked(q, k, v, g, beta, state, torch.tensor([slots[b] for b in live], device="cuda"), meta)
     # fla computes its chunk products in the input dtype and tf32 for fp32 inputs
     tol = max(REL_TOL[dtype], 2e-3)
     assert rel_err(out, ref) < tol and rel_err(state, ref_state) < tol

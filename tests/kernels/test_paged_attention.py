@@ -5,6 +5,7 @@ import torch
 
 from hkv_kernels.paged_attention.reference import paged_attention_ref
 from hkv_kernels.paged_attention.triton_paged_attention import paged_attention
+from hkv_kernels.meta import build_meta
 from tests.kernels.helpers import assert_close, cases, nan_like
 
 # (q_lens, kv_lens): decode, length 1, page boundaries, prefill over a cached prefix, empty sequences
@@ -33,7 +34,8 @@ def _run(device, dtype, q_lens, kv_lens, heads, head_dim, page_size, seed):
     page_table = page_table.to(device)
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(device, dtype)
     scale = head_dim**-0.5
-    out = paged_attention(q, k, v, page_table, q_lens, kv_lens, scale, out=nan_like(q))
+    meta = build_meta(q_lens, kv_lens, device, num_q_heads // num_kv_heads, head_dim, dtype)
+    out = paged_attention(q, k, v, page_table, meta, scale, out=nan_like(q))
     ref = paged_attention_ref(q.float().cpu(), k.float().cpu(), v.float().cpu(), page_table.cpu(), q_lens, kv_lens, scale)
     return out, ref
 

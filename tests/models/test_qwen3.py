@@ -63,14 +63,14 @@ def _batch(seqs: list[_Seq], rows: list[tuple[int, int]], page_size: int) -> For
         kv_lens.append(s.done + n)
         page_table[b, : len(s.pages)] = torch.tensor(s.pages)
     total = len(ids)
-    return ForwardBatch(
-        input_ids=torch.tensor(ids),
-        positions=torch.tensor(positions),
+    return ForwardBatch.from_lists(
+        input_ids=ids,
+        positions=positions,
         q_lens=q_lens,
         kv_lens=kv_lens,
         page_table=page_table,
-        slot_mapping=torch.tensor(slots),
-        logits_indices=torch.arange(total),
+        slot_mapping=slots,
+        logits_indices=range(total),
     )
 
 
@@ -159,14 +159,14 @@ def test_logits_indices_select_rows(checkpoints):
     kv = KVPool(model.kv_layout(8, 4, "float32", "cpu"), model.layer_map)
     a, b = [3, 4, 5, 6, 7], [8, 9, 10]
     slots = [0, 1, 2, 3, 4 * 4, 2 * 4, 2 * 4 + 1, 2 * 4 + 2]  # a on pages 0 and 4, b on page 2
-    batch = ForwardBatch(
-        input_ids=torch.tensor(a + b),
-        positions=torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]),
+    batch = ForwardBatch.from_lists(
+        input_ids=a + b,
+        positions=[0, 1, 2, 3, 4, 0, 1, 2],
         q_lens=[5, 3],
         kv_lens=[5, 3],
         page_table=torch.tensor([[0, 4], [2, 0]]),
-        slot_mapping=torch.tensor(slots),
-        logits_indices=torch.tensor([4, 7]),  # the last token of each sequence
+        slot_mapping=slots,
+        logits_indices=[4, 7],  # the last token of each sequence
     )
     with torch.no_grad():
         out = model(batch, kv)

@@ -15,9 +15,10 @@ import transformers as tf
 
 from hkv.models.batch import ForwardBatch
 from hkv.models.loader import load_model
-from hkv.models.qwen3_5 import GatedRMSNorm, Qwen3_5Config, Qwen3_5ForCausalLM, gdn_gates
+from hkv.models.qwen3_5 import GatedRMSNorm, Qwen3_5Config, Qwen3_5ForCausalLM
 from hkv.storage.kv_pool import KVPool
 from hkv.storage.state_pool import StatePool
+from hkv_kernels.gdn.reference import gdn_gates_ref
 
 TOL = 1e-4
 PAGE = 4
@@ -96,15 +97,15 @@ class PagedRun:
             slots.append(seq["slot"])
             seq["done"] = end
         width = max(len(r) for r in rows)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids),
-            positions=torch.tensor(positions),
+        batch = ForwardBatch.from_lists(
+            input_ids=ids,
+            positions=positions,
             q_lens=q_lens,
             kv_lens=kv_lens,
             page_table=torch.tensor([r + [0] * (width - len(r)) for r in rows]),
-            slot_mapping=torch.tensor(slot_mapping),
-            logits_indices=torch.arange(len(ids)),
-            state_slots=torch.tensor(slots),
+            slot_mapping=slot_mapping,
+            logits_indices=range(len(ids)),
+            state_slots=slots,
         )
         with torch.inference_mode():
             logits = self.model(batch, self.kv, self.state)
@@ -256,15 +257,14 @@ def test_hybrid_forward_needs_state(text_ckpt):
     run = PagedRun(ours)
     run.add("x", 0)
     with pytest.raises(ValueError, match="StatePool"):
-        ours(ForwardBatch(torch.tensor([1]), torch.tensor([0]), [1], [1], torch.tensor([[0]]),
-                          torch.tensor([0]), torch.tensor([0])), run.kv, run.state)
+        ours(ForwardBatch.from_lists([1], [0], [1], [1], torch.tensor([[0]]), [0], [0]), run.kv, run.state)
 
 
 def test_gates_match_transformers_formula():
     gen = torch.Generator().manual_seed(1)
     a, b = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
     A_log, dt_bias = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    g, beta = gdn_gates_ref(a, b, A_log, dt_bias)
     assert torch.equal(g, -A_log.float().exp() * F.softplus(a.float() + dt_bias))
     assert torch.equal(beta, b.sigmoid())
 

@@ -1,0 +1,1 @@
+"""SiLU-and-multiply of the SwiGLU MLP."""
