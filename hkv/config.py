@@ -77,6 +77,7 @@ class ModelConfig:
     seed: int
     cpu_threads: int  # torch intra-op threads of a CPU rank (leaves cores to the api and router)
     spec: ModelSpec  # the model's description
+    cuda_graph_max_bs: int = 0  # CUDA: decode batches up to this replay captured graphs; 0 = eager
 
     @property
     def max_context(self) -> int:
@@ -86,7 +87,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int
-    max_total_tokens: int  # device KV capacity in tokens (a multiple of page_size)
+    # device KV capacity in tokens (a multiple of page_size); None on CUDA without the flag: the
+    # rank sizes the pool from the GPU memory left after weights and activations and reports it
+    max_total_tokens: int | None
     prefix_cache: bool
     hybrid: bool  # the model has linear-attention layers (ModelSpec.hybrid)
     checkpoint_interval: int | None  # hybrid: tokens between checkpoints; None for dense models
@@ -94,6 +97,7 @@ class CacheConfig:
     cpu_cache_gb: float  # CPU tier (shm page pool) size; 0 = no tiers
     disk_cache_dir: str | None  # disk tier folder (absolute), None = no disk tier
     disk_cache_gb: float | None  # disk tier budget; set whenever disk_cache_dir is
+    gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and pools
 
     @property
     def tiers(self) -> bool:
@@ -101,8 +105,9 @@ class CacheConfig:
         return self.cpu_cache_gb > 0
 
     @property
-    def num_pages(self) -> int:
-        return self.max_total_tokens // self.page_size
+    def num_pages(self) -> int | None:
+        """KV pages the flags fix; None when the rank sizes the pool (CUDA, no --max-total-tokens)."""
+        return None if self.max_total_tokens is None else self.max_total_tokens // self.page_size
 
 
 @dataclass(frozen=True)
@@ -222,7 +227,8 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache")
     g.add_argument("--page-size", type=_positive_int, default=16, help="tokens per KV page (default: 16)")
     g.add_argument("--max-total-tokens", type=_positive_int, default=None,
-                   help="device KV capacity in tokens, a multiple of --page-size (default: 32768 on cpu, 262144 on cuda)")
+                   help="device KV capacity in tokens, a multiple of --page-size (default: 32768 on cpu; on cuda "
+                        "what --gpu-memory-fraction leaves after weights, activations and state slots)")
     g.add_argument("--checkpoint-interval", type=_positive_int, default=None,
                    help="hybrid models: tokens between saved linear-state checkpoints, a multiple of --page-size "
                         "(default: 16 pages)")
@@ -254,11 +260,14 @@ def _scheduling_flags(p: argparse.ArgumentParser) -> None:
                    help=f"MTP draft tokens per step; 0 = off (default: 0). Values above 0: {PENDING.lower()}")
     g.add_argument("--draft-window", type=_non_negative_int, default=None,
                    help=f"positions of draft-layer KV kept per request; 0 = full length (default: 0). {PENDING}")
-    g.add_argument("--no-cuda-graph", action="store_true", help=f"run decode steps eagerly on CUDA (default: graphs on). {PENDING}")
+    g.add_argument("--no-cuda-graph", action="store_true",
+                   help="run decode steps eagerly on CUDA instead of replaying captured graphs (default: graphs on)")
     g.add_argument("--cuda-graph-max-bs", type=_positive_int, default=None,
-                   help=f"largest decode batch captured in a CUDA graph (default: --max-running-requests). {PENDING}")
+                   help="largest decode batch captured in a CUDA graph; larger ones run eagerly "
+                        "(default: --max-running-requests)")
     g.add_argument("--gpu-memory-fraction", type=_fraction, default=None,
-                   help=f"share of GPU memory for weights, graphs and cache pools (default: 0.9). {PENDING}")
+                   help="share of the GPU's memory for weights, activations, graphs and cache pools; "
+                        "sizes the KV pool when --max-total-tokens is not given (default: 0.9)")
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -308,9 +317,6 @@ def _not_built_yet(args: argparse.Namespace) -> list[str]:
         "--tp": args.tp != 1,
         "--spec-tokens": args.spec_tokens > 0,
         "--draft-window": args.draft_window is not None,
-        "--no-cuda-graph": args.no_cuda_graph,
-        "--cuda-graph-max-bs": args.cuda_graph_max_bs is not None,
-        "--gpu-memory-fraction": args.gpu_memory_fraction is not None,
         "--request-timeout": args.request_timeout is not None,
         "--mode": args.mode != "normal",
         "--prefill-url": bool(args.prefill_url),
@@ -389,6 +395,15 @@ def _resolve_checkpoints(
     return interval, slots
 
 
+def _graph_max_bs(args: argparse.Namespace, max_running: int, on_cpu: bool) -> int:
+    """The largest decode batch replayed from a CUDA graph; 0 on CPU or with --no-cuda-graph."""
+    if args.no_cuda_graph and args.cuda_graph_max_bs is not None:
+        raise ConfigError("--cuda-graph-max-bs and --no-cuda-graph contradict each other")
+    if on_cpu or args.no_cuda_graph:
+        return 0
+    return min(args.cuda_graph_max_bs or max_running, max_running)
+
+
 def _valid_name(name: str) -> bool:
     return 0 < len(name) <= 32 and all(c.isalnum() or c in "_." for c in name) and name.isascii()
 
@@ -432,7 +447,7 @@ def _cache_config(args: argparse.Namespace, spec: ModelSpec, max_running: int, o
     interval, state_slots = _resolve_checkpoints(args, spec.hybrid, max_running, on_cpu)
     return CacheConfig(
         page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens or (32768 if on_cpu else 262144),
+        max_total_tokens=args.max_total_tokens or (32768 if on_cpu else None),
         prefix_cache=not args.no_prefix_cache,
         hybrid=spec.hybrid,
         checkpoint_interval=interval,
@@ -440,6 +455,7 @@ def _cache_config(args: argparse.Namespace, spec: ModelSpec, max_running: int, o
         cpu_cache_gb=args.cpu_cache_gb,
         disk_cache_dir=str(Path(args.disk_cache_dir).resolve()) if args.disk_cache_dir else None,
         disk_cache_gb=(args.disk_cache_gb or DEFAULT_DISK_CACHE_GB) if args.disk_cache_dir else None,
+        gpu_memory_fraction=args.gpu_memory_fraction or 0.9,
     )
 
 
@@ -478,7 +494,8 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     cache = _cache_config(args, spec, max_running, on_cpu)
     run_dir = tempfile.mkdtemp(prefix=f"hkv-{name}-")  # mode 0700
     return HkvConfig(
-        model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec),
+        model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec,
+                          cuda_graph_max_bs=_graph_max_bs(args, max_running, on_cpu)),
         cache=cache,
         scheduler=SchedulerConfig(
             max_running_requests=max_running,

@@ -80,6 +80,7 @@ class KernelMeta:
     attn_block_seq: torch.Tensor
     attn_block_tok: torch.Tensor
     attn_tile: tuple[int, int, int, int]
+    attn_block_t: int  # tokens per attention block: the grid above was cut for this
     conv_block_seq: torch.Tensor
     conv_block_tok: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -157,14 +158,15 @@ def meta_arrays(q_lens: np.ndarray, kv_lens: np.ndarray, table_rows: np.ndarray,
     }
 
 
-def kernel_meta(views: dict[str, torch.Tensor], q_lens: np.ndarray, attn_tile: tuple[int, int, int, int]
-                ) -> KernelMeta:
-    """KernelMeta over an arena's views (`views` holds at least meta_arrays' fields)."""
+def kernel_meta(views: dict[str, torch.Tensor], q_lens: np.ndarray, attn_tile: tuple[int, int, int, int],
+                attn_block_t: int) -> KernelMeta:
+    """KernelMeta over an arena's views (`views` holds at least meta_arrays' fields, the attention
+    blocks cut for `attn_block_t` tokens)."""
     cu_host = torch.from_numpy(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int64))
     return KernelMeta(
         q_start=views["q_start"], q_len=views["q_len"], kv_len=views["kv_len"], table_rows=views["table_rows"],
         attn_block_seq=views["attn_block_seq"], attn_block_tok=views["attn_block_tok"], attn_tile=attn_tile,
-        conv_block_seq=views["conv_block_seq"], conv_block_tok=views["conv_block_tok"],
+        attn_block_t=attn_block_t, conv_block_seq=views["conv_block_seq"], conv_block_tok=views["conv_block_tok"],
         cu_seqlens=views["cu_seqlens"], cu_seqlens_host=cu_host, max_q_len=int(q_lens.max(initial=0)),
     )
 
@@ -176,6 +178,7 @@ def build_meta(q_lens, kv_lens, device, group: int, head_dim: int, dtype: torch.
     q = np.asarray(q_lens, dtype=np.int64)
     rows = np.arange(len(q)) if table_rows is None else np.asarray(table_rows, dtype=np.int64)
     tile = attention_tile(int(q.max(initial=1)), group, head_dim, dtype)
-    arrays = meta_arrays(q, np.asarray(kv_lens, dtype=np.int64), rows, max(1, tile[0] // group))
+    block_t = max(1, tile[0] // group)
+    arrays = meta_arrays(q, np.asarray(kv_lens, dtype=np.int64), rows, block_t)
     arena = StepArena(sum(len(a) + _ALIGN for a in arrays.values()) + _ALIGN, torch.device(device))
-    return kernel_meta(arena.pack(arrays), q, tile)
+    return kernel_meta(arena.pack(arrays), q, tile, block_t)

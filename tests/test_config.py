@@ -35,16 +35,15 @@ def test_help_groups_the_flags():
     for group in ("model:", "cache:", "tiers:", "scheduling:", "server:", "prefill/decode disaggregation:",
                   "security:"):
         assert group in text
-    pending = {"--tp", "--spec-tokens", "--draft-window", "--no-cuda-graph", "--cuda-graph-max-bs",
-               "--gpu-memory-fraction", "--request-timeout", "--mode", "--prefill-url", "--decode-url",
-               "--api-key-file", "--admin-key", "--secret-file"}
+    pending = {"--tp", "--spec-tokens", "--draft-window", "--request-timeout", "--mode", "--prefill-url",
+               "--decode-url", "--api-key-file", "--admin-key", "--secret-file"}
     for action in _flags():
         said = "not implemented yet" in action.help.lower()
         assert said == (action.option_strings[0] in pending), action.option_strings[0]
 
 
-@pytest.mark.parametrize("argv", [["--tp", "2"], ["--spec-tokens", "1"], ["--mode", "decode"], ["--no-cuda-graph"],
-                                  ["--admin-key", "k"], ["--request-timeout", "5"], ["--gpu-memory-fraction", "0.5"]])
+@pytest.mark.parametrize("argv", [["--tp", "2"], ["--spec-tokens", "1"], ["--mode", "decode"],
+                                  ["--admin-key", "k"], ["--request-timeout", "5"]])
 def test_flags_not_built_yet_are_refused(argv):
     with pytest.raises(ConfigError, match=f"not implemented yet: {argv[0]}"):
         parse_cli(["--device", "cpu", *argv])
@@ -83,3 +82,15 @@ def test_a_model_it_cannot_describe_exits_with_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ConfigError, match="unsupported model_type 'llama'"):
         parse_cli(["--device", "cpu", "--model", str(tmp_path)])
+
+
+def test_graph_and_memory_flags(tmp_path):
+    folder = str(_qwen3_5_folder(tmp_path))
+    cfg = parse_cli(["--device", "cpu", "--model", folder, "--cuda-graph-max-bs", "8", "--gpu-memory-fraction", "0.5"])
+    shutil.rmtree(cfg.run_dir)
+    assert cfg.model.cuda_graph_max_bs == 0  # graphs are CUDA only
+    assert cfg.cache.gpu_memory_fraction == 0.5 and cfg.cache.max_total_tokens == 32768
+    with pytest.raises(ConfigError, match="contradict"):
+        parse_cli(["--device", "cpu", "--model", folder, "--cuda-graph-max-bs", "8", "--no-cuda-graph"])
+    with pytest.raises(SystemExit):
+        parse_cli(["--device", "cpu", "--model", folder, "--gpu-memory-fraction", "1.5"])

@@ -27,6 +27,7 @@ from hkv_kernels.cache_copy.triton_cache_copy import copy_blocks
 from hkv_kernels.conv1d.triton_conv1d import causal_conv1d
 from hkv_kernels.gdn.fla_chunk import fla_available, gated_delta_rule_chunked
 from hkv_kernels.gdn.triton_recurrent import gated_delta_rule_recurrent
+from hkv_kernels.meta import StepArena, build_meta, kernel_meta, meta_arrays
 from hkv_kernels.paged_attention.triton_paged_attention import paged_attention
 
 GB = 1e9
@@ -114,7 +115,8 @@ def bench_decode_attention() -> None:
         k, v, table = _paged_kv(batch, ctx, kv_heads, dim, page, torch.bfloat16)
         q = torch.randn(batch, q_heads, dim, device="cuda", dtype=torch.bfloat16)
         q_lens, kv_lens = [1] * batch, [ctx] * batch
-        ms = bench(lambda: paged_attention(q, k, v, table, q_lens, kv_lens, dim**-0.5))
+        meta = build_meta(q_lens, kv_lens, "cuda", q_heads // kv_heads, dim, torch.bfloat16)
+        ms = bench(lambda: paged_attention(q, k, v, table, meta, dim**-0.5))
         gbytes = (2 * batch * ctx * kv_heads * dim * 2 + 2 * q.numel() * 2) / GB
         kc = k[table.long()].flatten(1, 2).transpose(1, 2).contiguous()  # [B, Hkv, L, D] unpaged
         vc = v[table.long()].flatten(1, 2).transpose(1, 2).contiguous()
@@ -129,7 +131,8 @@ def bench_prefill_attention() -> None:
         dim, page = 128, 16
         k, v, table = _paged_kv(1, tokens, kv_heads, dim, page, torch.bfloat16)
         q = torch.randn(tokens, q_heads, dim, device="cuda", dtype=torch.bfloat16)
-        ms = bench(lambda: paged_attention(q, k, v, table, [tokens], [tokens], dim**-0.5))
+        meta = build_meta([tokens], [tokens], "cuda", q_heads // kv_heads, dim, torch.bfloat16)
+        ms = bench(lambda: paged_attention(q, k, v, table, meta, dim**-0.5))
         tflop = 4 * q_heads * dim * tokens * tokens / 2 / 1e12  # causal: half the score matrix
         kc = k[table[0].long()].flatten(0, 1)[None].transpose(1, 2).contiguous()  # [1, Hkv, T, D]
         vc = v[table[0].long()].flatten(0, 1)[None].transpose(1, 2).contiguous()
@@ -162,8 +165,9 @@ def bench_gdn_prefill() -> None:
         q, k, v, g, beta, state = _gdn_inputs(tokens, k_heads, v_heads, dim, 4)
         slots = torch.zeros(1, dtype=torch.long, device="cuda")
         shape = f"T{tokens} Hk{k_heads} Hv{v_heads} {dim}x{dim}"
-        ours = bench(lambda: gated_delta_rule_recurrent(q, k, v, g, beta, state, [tokens], slots))
-        fla_ms = bench(lambda: gated_delta_rule_chunked(q, k, v, g, beta, state, [tokens], slots)) if fla_available() else None
+        meta = build_meta([tokens], [tokens], "cuda", 1, 64, torch.bfloat16)
+        ours = bench(lambda: gated_delta_rule_recurrent(q, k, v, g, beta, state, slots, meta))
+        fla_ms = bench(lambda: gated_delta_rule_chunked(q, k, v, g, beta, state, slots, meta)) if fla_available() else None
         gbytes = (q.numel() * 2 * 2 + v.numel() * 2 * 2 + g.numel() * 6) / GB
         row("gdn_prefill_hkv_recurrent", shape, ours, gbytes=gbytes, base_name="fla-core chunk", base_ms=fla_ms)
         if fla_ms is not None:
@@ -180,7 +184,7 @@ def bench_gdn_prefill() -> None:
                 t_out = fallback(qf, kf, v[None], g[None], beta[None], initial_state=init.clone(),
                                  output_final_state=True, use_qk_l2norm_in_kernel=True)[0][0].float()
                 st = state.clone()
-                f_out = gated_delta_rule_chunked(q, k, v, g, beta, st, [tokens], slots).float()
+                f_out = gated_delta_rule_chunked(q, k, v, g, beta, st, slots, meta).float()
                 err = ((t_out - f_out).norm() / f_out.norm()).item()
                 print(f"transformers fallback vs fla: out {tuple(t_out.shape)} rel err {err:.2e}", flush=True)
             row("gdn_prefill_transformers", shape, t_ms, gbytes=gbytes, base_name="fla-core chunk", base_ms=fla_ms)
@@ -191,8 +195,8 @@ def bench_gdn_decode() -> None:
         dim = 128
         q, k, v, g, beta, state = _gdn_inputs(batch, k_heads, v_heads, dim, batch * 2)
         slots = torch.randperm(batch * 2, device="cuda")[:batch]
-        q_lens = [1] * batch
-        ms = bench(lambda: gated_delta_rule_recurrent(q, k, v, g, beta, state, q_lens, slots))
+        meta = build_meta([1] * batch, [1] * batch, "cuda", 1, 64, torch.bfloat16)
+        ms = bench(lambda: gated_delta_rule_recurrent(q, k, v, g, beta, state, slots, meta))
         gbytes = 2 * batch * v_heads * dim * dim * 4 / GB  # fp32 state read + write
         base_name, base_ms = "fla fused_recurrent", None
         if fla_available():
@@ -208,7 +212,8 @@ def bench_gdn_decode() -> None:
         state_k = torch.randn(batch * 5, v_heads, dim, dim, device="cuda") * 0.01
         qk, kk, vk, gk, bk, _ = _gdn_inputs(4 * batch, k_heads, v_heads, dim, 1)
         live = torch.arange(4 * batch, 5 * batch, device="cuda")
-        ms = bench(lambda: gated_delta_rule_recurrent(qk, kk, vk, gk, bk, state_k, [4] * batch, live, keep_slots=keep))
+        meta4 = build_meta([4] * batch, [4] * batch, "cuda", 1, 64, torch.bfloat16)
+        ms = bench(lambda: gated_delta_rule_recurrent(qk, kk, vk, gk, bk, state_k, live, meta4, keep_slots=keep))
         row("gdn_verify_k3_keep4", f"B{batch} Hv{v_heads} {dim}x{dim}", ms, gbytes=gbytes * 5 / 2)
 
 
@@ -220,8 +225,8 @@ def bench_conv1d() -> None:
         x = torch.randn(num_tokens, channels, device="cuda", dtype=torch.bfloat16)
         state = torch.randn(batch * 2, channels, ksize - 1, device="cuda")
         slots = torch.arange(batch, device="cuda")
-        q_lens = [tokens] * batch
-        ms = bench(lambda: causal_conv1d(x, state, weight, q_lens, slots))
+        meta = build_meta([tokens] * batch, [tokens] * batch, "cuda", 1, 64, torch.bfloat16)
+        ms = bench(lambda: causal_conv1d(x, state, weight, slots, meta))
         gbytes = (2 * x.numel() * 2 + 2 * batch * channels * (ksize - 1) * 4) / GB
         if tokens > 1:
             xt = x.t()[None].contiguous()  # [1, C, T] the layout F.conv1d wants
@@ -274,6 +279,54 @@ def bench_cache_copies() -> None:
         gbytes=gbytes, base_name="index_select+index_copy_", base_ms=bench(base_slots))
 
 
+def _meta_for_block_m(q_lens: list[int], kv_lens: list[int], block_m: int, group: int):
+    """KernelMeta whose attention blocks fit a swept tile's BLOCK_M (not the default tile's)."""
+    import numpy as np
+
+    q = np.asarray(q_lens)
+    block_t = max(1, block_m // group)
+    arrays = meta_arrays(q, np.asarray(kv_lens), np.arange(len(q)), block_t)
+    arena = StepArena(sum(len(a) + 2 for a in arrays.values()) + 2, torch.device("cuda"))
+    return kernel_meta(arena.pack(arrays), q, (block_m, 64, 4, 2), block_t)
+
+
+def bench_fused_ops() -> None:
+    """The fused small ops of a decode step against the torch sequences they replace (batch 64)."""
+    from hkv_kernels.activation.reference import silu_mul_ref
+    from hkv_kernels.activation.triton_activation import silu_mul
+    from hkv_kernels.norm.reference import add_rms_norm_ref, gated_rms_norm_ref
+    from hkv_kernels.norm.triton_norm import gated_rms_norm, rms_norm
+    from hkv_kernels.rope.reference import attention_prep_ref
+    from hkv_kernels.rope.triton_rope import attention_prep
+
+    bf16, dev = torch.bfloat16, "cuda"
+    x, res = (torch.randn(64, 2048, device=dev, dtype=bf16) for _ in range(2))
+    w = torch.randn(2048, device=dev, dtype=bf16)
+    gbytes = 3 * x.numel() * 2 / GB
+    row("add_rms_norm", "T64 H2048", bench(lambda: rms_norm(x, w, 1e-6, True, residual=res.clone())), gbytes=gbytes,
+        base_name="torch add + norm", base_ms=bench(lambda: add_rms_norm_ref(x, res, w, 1e-6, True)))
+    core = torch.randn(64, 32, 128, device=dev, dtype=bf16)
+    z = torch.randn(64, 32, 128, device=dev, dtype=bf16)
+    wn = torch.randn(128, device=dev, dtype=bf16)
+    row("gated_rms_norm", "T64 Hv32 D128", bench(lambda: gated_rms_norm(core, z, wn, 1e-6)),
+        gbytes=3 * core.numel() * 2 / GB, base_name="torch", base_ms=bench(lambda: gated_rms_norm_ref(core, z, wn, 1e-6)))
+    gate_up = torch.randn(64, 2 * 6144, device=dev, dtype=bf16)
+    g, u = gate_up.split(6144, dim=-1)
+    row("silu_mul", "T64 I6144", bench(lambda: silu_mul(g, u)), gbytes=3 * g.numel() * 2 / GB,
+        base_name="torch", base_ms=bench(lambda: silu_mul_ref(g, u)))
+    q = torch.randn(64, 16, 512, device=dev, dtype=bf16)[..., :256]
+    kk, vv = (torch.randn(64, 2, 256, device=dev, dtype=bf16) for _ in range(2))
+    cos, sin = (torch.randn(8192, 64, device=dev, dtype=bf16) for _ in range(2))
+    pos = torch.randint(0, 8192, (64,), device=dev)
+    slots = torch.randperm(64 * 16, device=dev)[:64]
+    kc, vc = (torch.zeros(64, 16, 2, 256, device=dev, dtype=bf16) for _ in range(2))
+    qn, kn = (torch.randn(256, device=dev, dtype=bf16) for _ in range(2))
+    row("attention_prep", "T64 Hq16 Hkv2 D256 rot64", bench(lambda: attention_prep(
+        q, kk, vv, cos, sin, pos, qn, kn, 1e-6, True, kc, vc, slots)), gbytes=3 * q.numel() * 2 / GB,
+        base_name="torch norm+rope+write", base_ms=bench(lambda: attention_prep_ref(
+            q, kk, vv, cos[pos], sin[pos], qn, kn, 1e-6, True, kc, vc, slots)))
+
+
 def bench_sweep() -> None:
     """Tile sweeps for the defaults: decode and prefill attention, recurrent GDN decode."""
     from hkv_kernels.paged_attention.triton_paged_attention import launch_paged_attention
@@ -282,8 +335,9 @@ def bench_sweep() -> None:
     q = torch.randn(64, 32, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     gbytes = 2 * 64 * 4096 * 8 * 128 * 2 / GB
+    meta = build_meta([1] * 64, [4096] * 64, "cuda", 4, 128, torch.bfloat16)
     for tile in [(16, bn, w, st) for bn in (64, 128, 256) for w in (4, 8) for st in (2, 3, 4)]:
-        ms = bench(lambda: launch_paged_attention(q, k, v, table, [1] * 64, [4096] * 64, 0.088, out, tile=tile))
+        ms = bench(lambda: launch_paged_attention(q, k, v, table, meta, 0.088, out, tile=tile))
         row(f"sweep_decode{tile}", "B64 L4096 Hq32 Hkv8", ms, gbytes=gbytes)
     k, v, table = _paged_kv(1, 8192, 8, 128, 16, torch.bfloat16)
     q = torch.randn(8192, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -292,7 +346,8 @@ def bench_sweep() -> None:
     tiles = [(128, bn, w, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)] + [(64, 64, 4, 3), (256, 64, 8, 2)]
     for tile in tiles:
         try:
-            ms = bench(lambda: launch_paged_attention(q, k, v, table, [8192], [8192], 0.088, out, tile=tile))
+            tile_meta = _meta_for_block_m([8192], [8192], tile[0], 4)
+            ms = bench(lambda: launch_paged_attention(q, k, v, table, tile_meta, 0.088, out, tile=tile))
         except Exception as exc:  # e.g. out of shared memory for a large tile
             print(f"tile {tile} failed: {type(exc).__name__}", flush=True)
             continue
@@ -300,15 +355,16 @@ def bench_sweep() -> None:
     del k, v
     q, kk, vv, g, beta, state = _gdn_inputs(64, 16, 32, 128, 128)
     slots = torch.randperm(128, device="cuda")[:64]
+    meta = build_meta([1] * 64, [1] * 64, "cuda", 1, 64, torch.bfloat16)
     for tile in [(bv, w) for bv in (16, 32, 64) for w in (1, 2, 4, 8)]:
-        ms = bench(lambda: gated_delta_rule_recurrent(q, kk, vv, g, beta, state, [1] * 64, slots, tile=tile))
+        ms = bench(lambda: gated_delta_rule_recurrent(q, kk, vv, g, beta, state, slots, meta, tile=tile))
         row(f"sweep_gdn_decode{tile}", "B64 Hk16 Hv32", ms, gbytes=2 * 64 * 32 * 128 * 128 * 4 / GB)
 
 
 SECTIONS = {
     "sweep": bench_sweep,
     "decode": bench_decode_attention, "prefill": bench_prefill_attention, "gdn_prefill": bench_gdn_prefill,
-    "gdn_decode": bench_gdn_decode, "conv": bench_conv1d, "copy": bench_cache_copies,
+    "gdn_decode": bench_gdn_decode, "conv": bench_conv1d, "copy": bench_cache_copies, "fused": bench_fused_ops,
 }
 
 

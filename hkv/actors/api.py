@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import random
@@ -385,8 +386,9 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     """Actor body: serve HTTP until ctx.stop, then drain and return."""
     tokenizer = Tokenizer.from_folder(cfg.model.path)
     spec = cfg.model.spec
+    # the KV capacity is the router's to report when the ranks size the pool (CUDA)
     limits = ModelLimits.of(cfg.model.model, cfg.model.path, spec.vocab_size, spec.max_context,
-                            cfg.cache.max_total_tokens)
+                            cfg.cache.max_total_tokens or spec.max_context)
     zctx = zmq.asyncio.Context()
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -408,6 +410,8 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
             url = _site_url(runner)
             # Report ready only once the router can admit, so the launcher's ready line means /ready is 200.
             await run_until_stopped(link.first_ready.wait(), ctx.stop)
+            if link.state is not None and link.state.kv_tokens is not None:
+                api.limits = dataclasses.replace(limits, kv_capacity=link.state.kv_tokens)
             if link.ready:
                 log.info("serving %s on %s", limits.model_id, url)
                 ctx.ready(url=url)

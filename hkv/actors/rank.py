@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 from hkv.config import HkvConfig
+from hkv.engine import sizing
 from hkv.engine.model_runner import ModelRunner
 from hkv.ipc import request_table
 from hkv.ipc.dgram import DgramReceiver, DgramSender
@@ -22,7 +23,8 @@ log = logging.getLogger("hkv.rank")
 PLAN_SPIN_S = 0.002
 
 
-def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRunner:
+def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[ModelRunner, int]:
+    """Load the model, size and allocate its pools, capture decode graphs; (runner, usable KV pages)."""
     import torch
 
     from hkv.models.loader import load_model
@@ -30,22 +32,37 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> ModelRun
     from hkv.storage.state_pool import StatePool
 
     torch.manual_seed(cfg.model.seed)
-    if cfg.model.device == "cpu":
+    on_cuda = cfg.model.device == "cuda"
+    if not on_cuda:
         torch.set_num_threads(cfg.model.cpu_threads)
     loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
-    if tuple(sorted(loaded.model.layer_map)) != cfg.model.spec.full_layers:
-        raise ValueError(f"the checkpoint's attention layers {sorted(loaded.model.layer_map)} differ from the "
+    model = loaded.model
+    if tuple(sorted(model.layer_map)) != cfg.model.spec.full_layers:
+        raise ValueError(f"the checkpoint's attention layers {sorted(model.layer_map)} differ from the "
                          f"description the launcher read ({cfg.model.spec.full_layers}): was it replaced?")
-    layout = loaded.model.kv_layout(cfg.cache.num_pages, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
-    kv = KVPool(layout, loaded.model.layer_map)
-    log.info("KV pool: %d pages x %d tokens, %.1f MiB", layout.num_pages, layout.page_size,
-             layout.bytes_per_page() * layout.num_pages / 2**20)
-    # Live states and checkpoints share one pool of slots (hybrid models only).
-    state_layout = loaded.model.state_layout(cfg.cache.state_slots, device=cfg.model.device)
+    # on CUDA one more page and state slot than the router hands out: padded graph rows write there
+    extra = 1 if on_cuda else 0
+    slots = cfg.cache.state_slots
+    state_layout = model.state_layout(slots + extra, device=cfg.model.device)
     state = StatePool(state_layout) if state_layout is not None else None
     if state is not None:
-        log.info("state pool: %d slots, %.2f MiB each", state_layout.num_slots, state_layout.bytes_per_slot / 2**20)
-    return ModelRunner(loaded.model, kv, state, table, cfg.cache.page_size, cfg.model.device)
+        log.info("state pool: %d slots, %.2f MiB each", slots, state_layout.bytes_per_slot / 2**20)
+    pages = cfg.cache.num_pages
+    if pages is None:
+        pages = sizing.pages_from_memory(cfg, model, state)
+    layout = model.kv_layout(pages + extra, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
+    kv = KVPool(layout, model.layer_map)
+    log.info("KV pool: %d pages x %d tokens, %.1f MiB", pages, layout.page_size,
+             layout.bytes_per_page() * pages / 2**20)
+    scratch = (pages, slots if state is not None else None) if on_cuda else None
+    runner = ModelRunner(model, kv, state, table, cfg.cache.page_size, cfg.model.device, scratch=scratch,
+                         max_tokens=cfg.scheduler.chunked_prefill_size + cfg.scheduler.max_running_requests,
+                         graph_max_bs=cfg.model.cuda_graph_max_bs)
+    seconds = runner.capture_graphs()
+    if runner.graphs is not None:
+        log.info("CUDA graphs: %d decode buckets up to batch %d in %.1f s", len(runner.graphs.graphs),
+                 runner.graphs.max_bs, seconds)
+    return runner, pages
 
 
 def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
@@ -80,11 +97,11 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     outbox: DgramSender[RankOutbound] = DgramSender(cfg.ipc_address("router_results"), "router_results")
     host_region = None
     try:
-        runner = await asyncio.to_thread(_build_runner, cfg, table)
+        runner, pages = await asyncio.to_thread(_build_runner, cfg, table)
         if cfg.cache.tiers:
             host_region = _attach_host_pool(cfg, runner)
         inbox.start()
-        await outbox.send(RankReady(ctx.rank, runner.kv.layout.num_pages))
+        await outbox.send(RankReady(ctx.rank, pages))
         ctx.ready(rank=ctx.rank)
         await run_until_stopped(_step_loop(ctx, inbox, outbox, runner), ctx.stop)
     finally:

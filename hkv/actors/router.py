@@ -77,23 +77,14 @@ class Router:
         radix_block: memoryview,
         tier_layout: tuple | None = None,  # (HostLayout, fingerprint root key) with --cpu-cache-gb
     ):
-        c = cfg.cache
-        limits = SchedulerLimits(
-            page_size=c.page_size,
-            max_running=cfg.scheduler.max_running_requests,
-            token_budget=cfg.scheduler.chunked_prefill_size,
-            max_context=cfg.model.max_context,
-            eos_ids=frozenset(cfg.model.spec.eos_ids),
-            hybrid=c.hybrid,
-            checkpoint_interval=c.checkpoint_interval,
-        )
-        spec = CacheSpec(c.page_size, c.num_pages, c.state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
-        self.coord = CacheCoordinator(spec)
-        self.tiers = None
-        if tier_layout is not None:
-            layout, root = tier_layout
-            self.tiers = TierClient(self.coord, root, c.page_size, c.hybrid, layout.num_pages, layout.num_states)
-        self.scheduler = Scheduler(limits, self.coord, table, self.tiers)
+        self.cfg = cfg
+        self.table = table
+        self.tier_layout = tier_layout
+        # the cache is opened once the ranks report their KV pool (they size it on CUDA)
+        self.coord: CacheCoordinator | None = None
+        self.tiers: TierClient | None = None
+        self.scheduler: Scheduler | None = None
+        self.kv_pages: int | None = None
         self.stats = router_stats
         self.debug = cfg.server.log_level == "debug"  # check the books after every step
         self._pending_flushes: list[int] = []
@@ -105,7 +96,7 @@ class Router:
         self._radix_written_at = 0.0
         self.inbox: Receiver[RouterInbound] = Receiver(zctx, cfg.ipc_address("router_in"), RouterInbound, "router_in")
         self.to_cache: Sender[TierInbound] | None = (
-            Sender(zctx, cfg.ipc_address("cache_in"), "cache_in") if self.tiers is not None else None
+            Sender(zctx, cfg.ipc_address("cache_in"), "cache_in") if tier_layout is not None else None
         )
         self.results: DgramReceiver[RankOutbound] = DgramReceiver(
             cfg.ipc_address("router_results"), RankOutbound, "router_results"
@@ -116,18 +107,41 @@ class Router:
         ]
 
     async def wait_for_ranks(self, count: int) -> None:
-        ready = 0
-        while ready < count:
+        """Wait for every rank's RankReady, then open the cache over the smallest KV pool."""
+        pages = []
+        while len(pages) < count:
             msg = await self.results.get()
             if isinstance(msg, RankReady):
-                ready += 1
+                pages.append(msg.kv_pages)
                 log.info("rank %d ready with %d KV pages", msg.rank, msg.kv_pages)
+        self.open_cache(min(pages))
+
+    def open_cache(self, kv_pages: int) -> None:
+        """The coordinator, tier client and scheduler over a device pool of `kv_pages` pages."""
+        cfg, c = self.cfg, self.cfg.cache
+        limits = SchedulerLimits(
+            page_size=c.page_size,
+            max_running=cfg.scheduler.max_running_requests,
+            token_budget=cfg.scheduler.chunked_prefill_size,
+            max_context=cfg.model.max_context,
+            eos_ids=frozenset(cfg.model.spec.eos_ids),
+            hybrid=c.hybrid,
+            checkpoint_interval=c.checkpoint_interval,
+        )
+        spec = CacheSpec(c.page_size, kv_pages, c.state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
+        self.coord = CacheCoordinator(spec)
+        if self.tier_layout is not None:
+            layout, root = self.tier_layout
+            self.tiers = TierClient(self.coord, root, c.page_size, c.hybrid, layout.num_pages, layout.num_states)
+        self.scheduler = Scheduler(limits, self.coord, self.table, self.tiers)
+        self.kv_pages = kv_pages
 
     async def run(self) -> None:
         """The step loop. A step's tokens and stats are published while the next step runs,
         so the ranks wait only for scheduling, never for the api link."""
         self.record_pools()
-        await self.to_api.send(EngineState(ready=True, alive=True, waiting=0, running=0))
+        await self.to_api.send(EngineState(ready=True, alive=True, waiting=0, running=0,
+                                           kv_tokens=self.kv_pages * self.cfg.cache.page_size))
         stuck = False  # nothing could run: only a new request or an abort can change that
         done: StepDone | None = None  # the last step, not yet published
         step_end = time.perf_counter()

@@ -60,7 +60,8 @@ class DecodeGraphs:
         self.arena: StepArena = StepArena(end, kv.k.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.batches: dict[int, ForwardBatch] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> static [b, vocab] output
+        # every bucket's graph copies its logits here: one buffer, not one per bucket
+        self.logits: torch.Tensor = torch.empty(max_bs, model.cfg.vocab_size, dtype=torch.float32, device=kv.k.device)
         self.pool = None  # one memory pool shared by every bucket's graph
 
     def bucket(self, batch_size: int) -> int | None:
@@ -105,7 +106,7 @@ class DecodeGraphs:
         return ForwardBatch(
             input_ids=sliced["input_ids"], positions=sliced["positions"], slot_mapping=sliced["slot_mapping"],
             logits_indices=sliced["logits_indices"], page_table=self.pages.table,
-            meta=kernel_meta(sliced, np.ones(b, dtype=np.int64), self.tile),
+            meta=kernel_meta(sliced, np.ones(b, dtype=np.int64), self.tile, self.block_t),
             state_slots=sliced["state_slots"] if self.state is not None else None,
         )
 
@@ -117,7 +118,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[b] = self.model(batch, self.kv, self.state)
+                self.logits[:b].copy_(self.model(batch, self.kv, self.state))
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[b], self.batches[b] = graph, batch
@@ -139,4 +140,4 @@ class DecodeGraphs:
         if fits:
             self.pages.apply(views["table_idx"][: len(idx)], views["table_val"][: len(vals)])
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        return self.logits[:n]

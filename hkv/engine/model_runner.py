@@ -195,7 +195,8 @@ class ModelRunner:
         """An eager CUDA step's batch: every array in one arena copy, page ids by request-table row."""
         group, head_dim = self.attn_dims
         tile = attention_tile(int(inputs.q_lens.max()), group, head_dim, self.kv.k.dtype)
-        arrays = meta_arrays(inputs.q_lens, inputs.kv_lens, inputs.rows, max(1, tile[0] // group))
+        block_t = max(1, tile[0] // group)
+        arrays = meta_arrays(inputs.q_lens, inputs.kv_lens, inputs.rows, block_t)
         arrays.update(input_ids=inputs.input_ids, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                       logits_indices=inputs.logits_indices)
         if inputs.state_slots is not None:
@@ -211,5 +212,5 @@ class ModelRunner:
         return ForwardBatch(
             input_ids=views["input_ids"], positions=views["positions"], slot_mapping=views["slot_mapping"],
             logits_indices=views["logits_indices"], page_table=self.pages.table,
-            meta=kernel_meta(views, inputs.q_lens, tile), state_slots=views.get("state_slots"),
+            meta=kernel_meta(views, inputs.q_lens, tile, block_t), state_slots=views.get("state_slots"),
         )

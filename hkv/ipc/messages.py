@@ -90,6 +90,7 @@ class EngineState(msgspec.Struct, frozen=True, tag="state"):
     alive: bool  # False once the engine has failed for good
     waiting: int  # requests queued at the router
     running: int  # requests holding KV pages
+    kv_tokens: int | None = None  # the device KV capacity in tokens (the ranks size it on CUDA)
 
 
 class CacheFlushed(msgspec.Struct, frozen=True, tag="flushed"):

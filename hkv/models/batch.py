@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hkv_kernels.meta import StepArena, attention_tile, kernel_meta, meta_arrays, KernelMeta
+from hkv_kernels.meta import KernelMeta, StepArena, attention_tile, kernel_meta, meta_arrays
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class ForwardBatch:
         q = np.asarray(q_lens, dtype=np.int64)
         group, head_dim, dtype = attn_dims or (1, 64, torch.float32)
         tile = attention_tile(int(q.max(initial=1)), group, head_dim, dtype)
-        arrays = meta_arrays(q, np.asarray(kv_lens, dtype=np.int64), np.arange(len(q)), max(1, tile[0] // group))
+        block_t = max(1, tile[0] // group)
+        arrays = meta_arrays(q, np.asarray(kv_lens, dtype=np.int64), np.arange(len(q)), block_t)
         arrays.update(input_ids=np.asarray(input_ids, dtype=np.int64), positions=np.asarray(positions, dtype=np.int64),
                       slot_mapping=np.asarray(slot_mapping, dtype=np.int64),
                       logits_indices=np.asarray(logits_indices, dtype=np.int64))
@@ -61,5 +62,5 @@ class ForwardBatch:
         return cls(
             input_ids=views["input_ids"], positions=views["positions"], slot_mapping=views["slot_mapping"],
             logits_indices=views["logits_indices"], page_table=torch.as_tensor(page_table),
-            meta=kernel_meta(views, q, tile), state_slots=views.get("state_slots"),
+            meta=kernel_meta(views, q, tile, block_t), state_slots=views.get("state_slots"),
         )

@@ -112,6 +112,8 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     """Qwen3-Next hybrid MoE model (`qwen3_next` checkpoints)."""
 
     config_class = Qwen3NextConfig
+    # the MoE reference loop reads the routing on the host (unique experts), so no CUDA graph
+    graph_safe = False
 
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         layers = []

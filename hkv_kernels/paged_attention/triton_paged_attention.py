@@ -118,8 +118,9 @@ def launch_paged_attention(
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     block_m, block_n, num_warps, num_stages = tile or meta.attn_tile
-    if block_m != meta.attn_tile[0]:
-        raise ValueError(f"tile BLOCK_M {block_m} != the metadata's {meta.attn_tile[0]}")
+    if max(1, block_m // group) != meta.attn_block_t:
+        raise ValueError(f"the attention blocks were cut for {meta.attn_block_t} tokens, the tile (BLOCK_M "
+                         f"{block_m}, {group} query heads per KV head) runs {max(1, block_m // group)}")
     num_blocks = meta.attn_block_seq.numel()
     if num_blocks == 0:
         return out
@@ -135,7 +136,7 @@ def launch_paged_attention(
         out.stride(0), out.stride(1), gate.stride(0) if gated else 0, gate.stride(1) if gated else 0,
         page_table.stride(0), scale * _LOG2E, num_blocks,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_T=max(1, block_m // group), BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_T=meta.attn_block_t, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
         GATE=gated, num_warps=num_warps, num_stages=num_stages,
     )
     return out

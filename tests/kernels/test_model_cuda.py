@@ -11,12 +11,12 @@ it again for its own shapes.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import pytest
 import torch
 import transformers as tf
 
+from hkv.models.batch import ForwardBatch
 from hkv.models.loader import load_model
 from hkv.storage.kv_pool import KVPool
 from hkv.storage.state_pool import StatePool
@@ -39,15 +39,22 @@ BF16_VS_FP32_RATIO = 2.0
 
 
 class _OnCuda(torch.nn.Module):
-    """Moves PagedRun's CPU batch to the GPU and the logits back."""
+    """Rebuilds PagedRun's CPU batch on the GPU (kernel metadata for this model's attention) and
+    moves the logits back."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.inner = model
 
     def forward(self, batch, kv, state):
-        fields = ("input_ids", "positions", "page_table", "slot_mapping", "logits_indices", "state_slots")
-        return self.inner(replace(batch, **{f: getattr(batch, f).cuda() for f in fields}), kv, state).cpu()
+        cfg = self.inner.cfg
+        dims = (cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim, kv.k.dtype)
+        on_gpu = ForwardBatch.from_lists(
+            batch.input_ids.tolist(), batch.positions.tolist(), batch.meta.q_len.tolist(), batch.meta.kv_len.tolist(),
+            batch.page_table.cuda(), batch.slot_mapping.tolist(), batch.logits_indices.tolist(),
+            state_slots=batch.state_slots.tolist(), attn_dims=dims,
+        )
+        return self.inner(on_gpu, kv, state).cpu()
 
 
 def _run_schedule(model, dtype: str, tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
