@@ -1,4 +1,5 @@
-"""Issue 6, acceptance 6: `hkv-launch --device cuda` serves a tiny Qwen3.5 as transformers computes it (GPU only).
+"""Issues 6 and 11: `hkv-launch --device cuda` serves a tiny Qwen3.5 as transformers computes it (GPU only),
+decode steps replayed from CUDA graphs.
 
 A Qwen3_5ForCausalLM built and saved by transformers is served by real
 processes on CUDA, where the model path runs hkv_kernels' Triton and fla-core
@@ -109,6 +110,8 @@ def servers(checkpoint, tmp_path_factory, launch_command):
             server.stop(signal.SIGKILL)
         raise failed[0]
     pids = {d: s.actor_pids() for d, s in started.items()}
+    for dtype, server in started.items():  # the decode steps of these tests replay captured graphs
+        assert "CUDA graphs:" in server.log(), f"{dtype}: no decode graphs captured\n{server.log()}"
     yield started
     for dtype, server in started.items():
         assert server.stop(signal.SIGTERM) == 0, server.log()

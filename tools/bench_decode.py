@@ -1,0 +1,201 @@
+"""Decode-step time of the benchmark model in-process: graphs against eager, and where the time goes.
+
+Builds the benchmark model's architecture (tools/make_bench_model.py's config) with
+random bf16 weights straight on the GPU, the rank's pools and its ModelRunner, then
+times decode steps of B sequences at a given context through the runner's own
+path (arena copy, graph replay or eager forward, sampling). For each batch size it
+prints the step time, the memory roofline of the step (weights + KV read + fp32
+recurrent state read and written, at the measured copy bandwidth) and the ratio,
+and, with --profile, kernels per step and GPU busy time against wall time.
+
+    python -m tools.bench_decode [--batches 1,32,64] [--context 576] [--json out.json] [--profile]
+
+This measures the engine under the router; served numbers come from hkv-bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from hkv.engine.model_runner import ModelRunner
+from hkv.ipc.messages import Chunk, NewSequence, SamplingParams, StepPlan
+from hkv.ipc.request_table import RequestTable, TableLayout
+from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+from hkv.storage.kv_pool import KVPool
+from hkv.storage.state_pool import StatePool
+
+BENCH_CONFIG = dict(
+    model_type="qwen3_5_text", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    max_position_embeddings=32768, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
+PAGE = 16
+
+
+def build_model(config: dict, seed: int = 0) -> torch.nn.Module:
+    """The architecture with random bf16 weights on the GPU (std 0.02; norms at their neutral values)."""
+    cfg = Qwen3_5Config.from_hf(config)
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(cfg)
+    model = model.to(dtype=torch.bfloat16).to_empty(device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0 if ".linear_attn.norm." in name else 0.0)
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p, dtype=torch.float32).uniform_(1, 16, generator=gen)))
+            elif name.endswith("dt_bias"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.eval()
+    model.prepare_for_device()
+    return model
+
+
+def roofline_ms(model, batch: int, context: int, bandwidth: float) -> float:
+    """Bytes a decode step must move at least, over the copy bandwidth: weights once, every
+    sequence's KV read, every fp32 recurrent and conv state read and written."""
+    cfg = model.cfg
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = batch * context * len(cfg.full_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    state = model.state_layout(1).bytes_per_slot
+    return (weights + kv + 2 * batch * state) / bandwidth * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+class DecodeRig:
+    """One runner over B sequences of `context` tokens each (their KV is garbage: speed only)."""
+
+    def __init__(self, model, max_bs: int, context: int, graphs: bool):
+        cfg = model.cfg
+        self.context = context
+        pages_per_seq = -(-(context + 64) // PAGE)
+        num_pages = max_bs * pages_per_seq
+        layout = TableLayout(slots=max_bs, max_pages=pages_per_seq + 1)
+        self.table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
+        self.kv = KVPool(model.kv_layout(num_pages + 1, PAGE, "bfloat16", "cuda"), model.layer_map)
+        self.state = StatePool(model.state_layout(max_bs + 1, device="cuda"))
+        self.runner = ModelRunner(model, self.kv, self.state, self.table, PAGE, "cuda",
+                                  scratch=(num_pages, max_bs), max_tokens=max_bs * 2,
+                                  graph_max_bs=max_bs if graphs else 0)
+        self.capture_s = self.runner.capture_graphs()
+        for s in range(max_bs):
+            self.table.write_pages(s, list(range(s * pages_per_seq, (s + 1) * pages_per_seq)))
+        greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0)
+        new = [NewSequence(s, s + 1, greedy, s) for s in range(max_bs)]
+        self.runner.execute(StepPlan(step=0, new=new, chunks=[], freed=[]))
+        self.step = 1
+
+    def decode(self, batch: int) -> StepPlan:
+        chunks = [Chunk(s, [17 + s], self.context, True) for s in range(batch)]
+        self.step += 1
+        return StepPlan(step=self.step, new=[], chunks=chunks, freed=[])
+
+    def time_steps(self, batch: int, iters: int) -> float:
+        """Median wall milliseconds of one whole decode step (metadata, forward, sampling)."""
+        for _ in range(5):
+            self.runner.execute(self.decode(batch))
+        times = []
+        for _ in range(iters):
+            plan = self.decode(batch)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = self.runner.execute(plan)
+            times.append((time.perf_counter() - start) * 1e3)
+            if result.error:
+                raise RuntimeError(result.error)
+        return float(np.median(times))
+
+
+def profile_step(rig: DecodeRig, batch: int) -> dict:
+    """Kernels launched and GPU busy time within one decode step, against its wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rig.runner.execute(rig.decode(batch))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        rig.runner.execute(rig.decode(batch))
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time for e in kernels) / 1e3  # us -> ms
+    memcpy_h2d = sum(1 for e in kernels if "HtoD" in e.name or "Memcpy HtoD" in e.name)
+    top: dict[str, float] = {}
+    for e in kernels:
+        top[e.name[:60]] = top.get(e.name[:60], 0.0) + e.device_time / 1e3
+    return {"kernels": len(kernels), "h2d_copies": memcpy_h2d, "gpu_busy_ms": busy, "wall_ms": wall,
+            "top": sorted(top.items(), key=lambda kv: -kv[1])[:12]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,32,64", help="decode batch sizes (default: 1,32,64)")
+    parser.add_argument("--context", type=int, default=576, help="tokens already in each sequence (default: 576)")
+    parser.add_argument("--iters", type=int, default=50, help="timed steps per point (default: 50)")
+    parser.add_argument("--profile", action="store_true", help="also profile one step per batch size")
+    parser.add_argument("--json", help="write the results to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode needs a CUDA device", file=sys.stderr)
+        return 2
+    batches = [int(b) for b in args.batches.split(",")]
+    bw = copy_bandwidth()
+    model = build_model(BENCH_CONFIG)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; model {params / 1e9:.2f} B params",
+          flush=True)
+    out = {"copy_bandwidth": bw, "params": params, "context": args.context, "rows": []}
+    with torch.inference_mode():
+        for graphs in (True, False):
+            rig = DecodeRig(model, max(batches), args.context, graphs)
+            if graphs:
+                print(f"graphs captured in {rig.capture_s:.1f} s", flush=True)
+            for b in batches:
+                ms = rig.time_steps(b, args.iters)
+                roof = roofline_ms(model, b, args.context, bw)
+                row = {"graphs": graphs, "batch": b, "step_ms": ms, "roofline_ms": roof, "of_roofline": roof / ms}
+                if args.profile:
+                    row["profile"] = profile_step(rig, b)
+                out["rows"].append(row)
+                prof = row.get("profile")
+                extra = (f"; {prof['kernels']} kernels, {prof['h2d_copies']} H2D, GPU busy "
+                         f"{prof['gpu_busy_ms']:.2f} of {prof['wall_ms']:.2f} ms") if prof else ""
+                print(f"{'graphs' if graphs else 'eager '} B{b:<4} step {ms:7.3f} ms  roofline {roof:6.3f} ms  "
+                      f"{100 * roof / ms:5.1f}%{extra}", flush=True)
+            del rig
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
