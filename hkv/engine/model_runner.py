@@ -60,7 +60,8 @@ class ModelRunner:
         layout = self.table.layout
         self.pages = DevicePageTable(layout.slots, layout.max_pages, self.device, scratch[0])
         seqs = layout.slots
-        self.arena = StepArena(5 * max_tokens + 12 * (seqs + 2) + 4 * seqs + 256, self.device)
+        # every field of a step, worst case: 7 of up to max_tokens entries, the rest per sequence
+        self.arena = StepArena(7 * max_tokens + 16 * (seqs + 2) + 512, self.device)
         if graph_max_bs > 0 and getattr(self.model, "graph_safe", True):
             self.graphs = DecodeGraphs(self.model, self.kv, self.state, self.pages, min(graph_max_bs, seqs),
                                        self.attn_dims, scratch[1], self.page_size)
