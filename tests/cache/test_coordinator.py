@@ -28,9 +28,6 @@ def run(coord, rid, tokens, *, state_slots=0, window_slots=0, publish=True, chec
     return hit, grant, published
 
 
-# ---- dense -----------------------------------------------------------------------
-
-
 def test_admit_publish_and_hit_with_exact_pages():
     coord = dense()
     hit, grant, published = run(coord, 1, [1, 2, 3, 4, 5])
@@ -41,7 +38,9 @@ def test_admit_publish_and_hit_with_exact_pages():
     hit, grant, _ = run(coord, 2, [1, 2, 3, 4, 9, 9], publish=False)
     assert hit.length == 4 and hit.pages == (0, 1)
     assert grant.pages == (0, 1, 3) and grant.cursor == 6 and grant.cached_tokens == 4
-    assert coord.stats()["pools"]["gpu_pages"] == {"total": 8, "free": 4, "cached": 2, "in_use": 2}
+    # pages 0, 1 are the tree's; 2 (request 1's partial page) and 3 are the requests' own
+    assert coord.pages.free_ids() == [4, 5, 6, 7] and coord.tree.cached_pages == 2
+    assert [coord.requests[r].owned_pages(2) for r in (1, 2)] == [[2], [3]]
 
 
 def test_at_least_one_prompt_token_is_recomputed():
@@ -230,9 +229,10 @@ def test_the_api_refuses_calls_out_of_order():
     txn.commit()
     with pytest.raises(TransactionError):
         txn.commit()
+    again = coord.begin(1)
     with pytest.raises(TransactionError):
-        coord.begin(1).match([1, 2, 3])  # a running request matched already
-    coord._txn.rollback()
+        again.match([1, 2, 3])  # a running request matched already
+    again.rollback()
     with pytest.raises(ValueError):
         coord.publish(1, [1, 2, 3], 3)  # beyond its cursor
     with pytest.raises(TransactionError):
@@ -246,9 +246,6 @@ def test_check_integrity_names_a_leaked_page():
     coord.requests[1].cursor = 2
     with pytest.raises(AssertionError, match=r"pages: free 6 \+ owned 1 \+ cached 0 = 7 != 8; missing \[1\]"):
         coord.check_integrity()
-
-
-# ---- hybrid ----------------------------------------------------------------------
 
 
 def test_hybrid_hits_the_deepest_checkpoint_and_restores_it():
