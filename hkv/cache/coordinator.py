@@ -10,7 +10,7 @@ log, so a transaction (and a publish) is all-or-nothing:
     grant = txn.commit()               keep it all; ops for this step's plan
     txn.rollback()                     (instead of commit) undo it all, exactly
 
-    coord.publish(req_id, token_ids, upto, checkpoint=...)   cache computed pages
+    coord.publish(req_id, token_ids, upto, checkpoint=..., rolling=...)   cache computed pages
     coord.pause(req_id) / coord.release(req_id)              give resources back
 
 A request's pages, in position order, and what owns each:
@@ -278,7 +278,7 @@ class CacheCoordinator:
             raise TransactionError(f"{what}({req_id}): unknown request")
         return req
 
-    def publish(self, req_id: int, token_ids, upto: int, checkpoint: bool = False) -> Published:
+    def publish(self, req_id: int, token_ids, upto: int, checkpoint: bool = False, rolling: bool = False) -> Published:
         """Cache the request's computed prefix token_ids[:upto], rounded down to a page.
 
             token_ids [0 .... published) [published ..... aligned) [aligned .. upto)
@@ -289,16 +289,22 @@ class CacheCoordinator:
         lock moves to the node ending at `aligned` (it never moves up), and
         the checkpoint it restored from is unpinned.
         checkpoint=True (hybrid; upto must be page-aligned and equal the
-        position the live state is at): attach a checkpoint there, evicting
-        LRU checkpoints for a slot (plus a window if the request drafts);
-        returns its SaveCheckpoint op, or none when no slot can be had or the
-        node already has one. All-or-nothing: a failure inside undoes it all.
+        position the live state is at): attach a checkpoint there and return
+        its SaveCheckpoint op, or none when the node already has one or no
+        slot can be had. The slot is the request's rolling checkpoint's when
+        that one can move (see below), else a fresh one, evicting LRU
+        checkpoints for it (plus a window if the request drafts).
+        rolling=True (with checkpoint=True): the checkpoint is the request's
+        rolling one, kept only until its next checkpoint; rolling=False makes
+        it permanent. All-or-nothing: a failure inside undoes it all.
         """
         req = self._record_outside_transaction(req_id, "publish")
         if req.phase is not Phase.RUNNING:
             raise TransactionError(f"publish({req_id}): the request is {req.phase.value}")
         if checkpoint and (not self.spec.hybrid or upto % self.spec.page_size):
             raise ValueError(f"publish({req_id}): checkpoints need a hybrid model and a page-aligned upto ({upto})")
+        if rolling and not checkpoint:
+            raise ValueError(f"publish({req_id}): rolling=True needs checkpoint=True")
         if not 0 <= upto <= min(req.cursor, len(token_ids)):
             raise ValueError(f"publish({req_id}): upto {upto} beyond cursor {req.cursor} or the tokens given")
         aligned = upto - upto % self.spec.page_size
@@ -306,14 +312,14 @@ class CacheCoordinator:
             return Published(req.published, 0, ())
         self._undo = []
         try:
-            return self._publish(req, tuple(token_ids[:aligned]), aligned, checkpoint)
+            return self._publish(req, tuple(token_ids[:aligned]), aligned, checkpoint, rolling)
         except BaseException:
             self._undo_to(0)
             raise
         finally:
             self._undo = None
 
-    def _publish(self, req: RequestState, tokens: tuple, aligned: int, checkpoint: bool) -> Published:
+    def _publish(self, req: RequestState, tokens: tuple, aligned: int, checkpoint: bool, rolling: bool) -> Published:
         P, inserted = self.spec.page_size, 0
         if aligned > req.published:
             # resume the walk at the request's locked node when it ends where its cached prefix does
@@ -334,10 +340,7 @@ class CacheCoordinator:
             self._move_lock(req, found.node, aligned)
             self._fault_point("publish.inserted")
         node = req.lock
-        ops: tuple[CacheOp, ...] = ()
-        if checkpoint and node.checkpoint is None:
-            op = self._take_checkpoint(req, node)
-            ops = () if op is None else (op,)
+        ops = self._checkpoint(req, node, rolling) if checkpoint else ()
         self._fault_point("publish.checkpointed")
         self.tree.touch(node)
         if node.checkpoint is not None:
@@ -365,21 +368,75 @@ class CacheCoordinator:
 
         self._log(undo)
 
-    def _take_checkpoint(self, req: RequestState, node: Node) -> SaveCheckpoint | None:
+    def _checkpoint(self, req: RequestState, node: Node, rolling: bool) -> tuple[CacheOp, ...]:
+        """Save the live state at `node` (the request's lock): its rolling checkpoint moved, or a fresh one.
+
+            tokens  [0 ........ r) ........ [r ............. node.depth)
+            before   rolling ckpt at r (slot s)
+            after    nothing at r             ckpt at node.depth (slot s); op: SaveCheckpoint(live -> s)
+
+        The rolling one moves only when `_can_move` says nobody may read its
+        slot; then the request's rolling checkpoint is the moved one (rolling)
+        or none (permanent). Otherwise a fresh slot is taken, which becomes the
+        rolling one (rolling) or leaves it as it was (permanent); the old one
+        stays where it is, an ordinary checkpoint. Why a moved slot is safe to
+        overwrite: ops run in emission order before the next forward, so a
+        RestoreCheckpoint from a later match (in this plan or after) follows
+        this SaveCheckpoint and reads the new state, and a reader of the old
+        state pins it until its copy ran (a request until it publishes deeper,
+        pauses or is released; a tier hold until its StoreState ran).
+        """
+        if node.checkpoint is not None:
+            if node.checkpoint is req.rolling and not rolling:
+                self._set_rolling(req, None)  # published for good where it already is
+            return ()
         if not req.state_slots:
             raise TransactionError(f"publish({req.req_id}): a checkpoint needs the request's live state slot")
+        old = req.rolling
+        moved = old is not None and self._can_move(req, old)
+        ckpt = self._move_checkpoint(old, node) if moved else self._take_checkpoint(req, node)
+        if ckpt is None:
+            return ()  # caching is best effort: the pages are published without it
+        if rolling or moved:
+            self._set_rolling(req, ckpt if rolling else None)
+        src_window = req.window_slots[0] if ckpt.window is not None else None
+        return (SaveCheckpoint(req.state_slots[0], ckpt.slot, node.depth, src_window, ckpt.window),)
+
+    def _can_move(self, req: RequestState, ckpt: Checkpoint) -> bool:
+        """Nobody may read the slot: still attached (not evicted), unpinned, and shaped like
+        the request's state (a window exactly when the request drafts)."""
+        return (
+            ckpt.node.in_tree and ckpt.node.checkpoint is ckpt and ckpt.holds == 0
+            and (ckpt.window is not None) == bool(req.window_slots)
+        )  # fmt: skip
+
+    def _move_checkpoint(self, ckpt: Checkpoint, node: Node) -> Checkpoint:
+        """Detach `ckpt` and attach its slot and window at `node`; both steps are logged."""
+        tree = self.tree
+        tree.detach_checkpoint(ckpt)
+        self._log(lambda: tree.reattach_checkpoint(ckpt))
+        moved = tree.attach_checkpoint(node, ckpt.slot, ckpt.window)
+        self._log(lambda: tree.detach_checkpoint(moved))
+        return moved
+
+    def _take_checkpoint(self, req: RequestState, node: Node) -> Checkpoint | None:
+        """A fresh slot (and window if the request drafts) attached at `node`, or None when none can be had."""
         windows = 1 if req.window_slots else 0
         try:
             self._check_room(0, 1, windows)
         except CapacityError:
-            return None  # caching is best effort: the pages are published without it
+            return None
         self._make_room(0, 1, windows)
         slot = self._alloc(self.state_slots, 1)[0]
         window = self._alloc(self.window_slots, 1)[0] if windows else None
         ckpt = self.tree.attach_checkpoint(node, slot, window)
         self._log(lambda: self.tree.detach_checkpoint(ckpt))
-        src_window = req.window_slots[0] if windows else None
-        return SaveCheckpoint(req.state_slots[0], slot, node.depth, src_window, window)
+        return ckpt
+
+    def _set_rolling(self, req: RequestState, ckpt: Checkpoint | None) -> None:
+        old = req.rolling
+        req.rolling = ckpt
+        self._log(lambda: setattr(req, "rolling", old))
 
     def pause(self, req_id: int) -> None:
         """Preempt: free everything the request holds except what it published.
@@ -388,13 +445,20 @@ class CacheCoordinator:
         and windows go back to the pools; its lock and pin are dropped, so
         its published prefix stays cached, unreferenced. The record stays,
         PAUSED; the next `begin` may match again. Publish first to keep more.
+        Its rolling checkpoint stays its own: once resumed, its next rolling
+        publish moves it on (the resumed match pins it until then), unless
+        it was evicted meanwhile.
         """
         req = self._record_outside_transaction(req_id, "pause")
         self._drop(req)
         req.phase = Phase.PAUSED
 
     def release(self, req_id: int) -> None:
-        """Finish or abort: like pause, then forget the request."""
+        """Finish or abort: like pause, then forget the request.
+
+        Its rolling checkpoint (its last page boundary while decoding) stays
+        in the tree as an ordinary one: what a next turn of the conversation hits.
+        """
         req = self._record_outside_transaction(req_id, "release")
         self._drop(req)
         del self.requests[req_id]
@@ -415,6 +479,7 @@ class CacheCoordinator:
 
             tokens [0 ............ published)   the path to the request's lock node
             hold    locks that path; pins the node's checkpoint when it has one
+                    (a pinned rolling checkpoint does not move: the copy reads it)
 
         The hold outlives the request: release it with `unhold` once the copy
         ran. Returns None when nothing is published. No transaction may be open.

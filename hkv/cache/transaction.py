@@ -46,7 +46,7 @@ class RequestState:
 
     __slots__ = (
         "req_id", "phase", "pages", "duplicates", "cursor", "published", "lock", "held",
-        "state_slots", "window_slots", "cached_tokens",
+        "state_slots", "window_slots", "cached_tokens", "rolling",
     )  # fmt: skip
 
     def __init__(self, req_id: int):
@@ -63,6 +63,9 @@ class RequestState:
         self.state_slots: list[int] = []  # [0] is the live state; more for speculative candidates
         self.window_slots: list[int] = []  # [0] is the live draft window
         self.cached_tokens: int = 0  # tokens its latest match served from the cache
+        # Its rolling checkpoint (publish(..., rolling=True)): the next checkpoint it publishes
+        # moves this one's slot when it can. Stale once evicted; outlives a pause, not a release.
+        self.rolling: Checkpoint | None = None
 
     def owned_pages(self, page_size: int) -> list[int]:
         """Pages only this request holds: its duplicates, then every page past `published`.
