@@ -292,11 +292,12 @@ class CacheCoordinator:
         position the live state is at): attach a checkpoint there and return
         its SaveCheckpoint op, or none when the node already has one or no
         slot can be had. The slot is the request's rolling checkpoint's when
-        that one can move (see below), else a fresh one, evicting LRU
+        that one can move (see `_checkpoint`), else a fresh one, evicting LRU
         checkpoints for it (plus a window if the request drafts).
-        rolling=True (with checkpoint=True): the checkpoint is the request's
-        rolling one, kept only until its next checkpoint; rolling=False makes
-        it permanent. All-or-nothing: a failure inside undoes it all.
+        rolling=True (with checkpoint=True): the checkpoint becomes the
+        request's rolling one, which its next checkpointed publish moves on;
+        rolling=False makes it permanent. All-or-nothing: a failure inside
+        undoes it all (the moved checkpoint goes back where it was).
         """
         req = self._record_outside_transaction(req_id, "publish")
         if req.phase is not Phase.RUNNING:
