@@ -10,7 +10,7 @@ log, so a transaction (and a publish) is all-or-nothing:
     grant = txn.commit()               keep it all; ops for this step's plan
     txn.rollback()                     (instead of commit) undo it all, exactly
 
-    coord.publish(req_id, token_ids, upto, checkpoint=...)   cache computed pages
+    coord.publish(req_id, token_ids, upto, checkpoint=..., rolling=...)   cache computed pages
     coord.pause(req_id) / coord.release(req_id)              give resources back
 
 A request's pages, in position order, and what owns each:
@@ -27,14 +27,14 @@ refuse to run while it is. See docs/cache.md for the router's call sequence.
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Callable, Iterator
 
 from hkv.cache.errors import CapacityError, TransactionError
 from hkv.cache.pools import IdPool, PagePool, SlotPool
 from hkv.cache.radix import Checkpoint, Node, RadixTree
 from hkv.cache.transaction import Hold, Phase, RequestState, Transaction
 from hkv.cache.types import (
-    CacheOp, CacheSpec, CheckpointRef, Evicted, Grant, Hit, Published, RestoreCheckpoint, SaveCheckpoint,
+    CacheOp, CacheSpec, CheckpointRef, Evicted, Hit, Published, RestoreCheckpoint, SaveCheckpoint,
 )  # fmt: skip
 
 
@@ -53,13 +53,11 @@ class CacheCoordinator:
         self.window_slots: SlotPool = SlotPool("window_slots", spec.num_window_slots)
         self.tree: RadixTree = RadixTree(spec.page_size)
         self.requests: dict[int, RequestState] = {}  # read-only outside this module
-        self._txn: Transaction | None = None
-        self._undo: list[Callable[[], None]] | None = None  # the open undo log, if any
+        self._txn: Transaction | None = None  # the open transaction, if any (one at a time)
+        self._undo: list[Callable[[], None]] | None = None  # the open transaction's or publish's undo log
         self._fault: Callable[[str], None] | None = fault
         self.holds: dict[int, Hold] = {}  # hold id -> a prefix being copied to a lower tier
-        self._hold_ids = itertools.count(1)
-
-    # ---- the undo log ---------------------------------------------------------------
+        self._hold_ids: Iterator[int] = itertools.count(1)
 
     def _log(self, undo: Callable[[], None]) -> None:
         if self._undo is not None:
@@ -83,8 +81,6 @@ class CacheCoordinator:
         pool.free(ids)
         self._log(lambda: pool.unfree(ids))
 
-    # ---- transactions ---------------------------------------------------------------
-
     def begin(self, req_id: int) -> Transaction:
         """Open the (single) transaction for `req_id`, registering it if unknown.
 
@@ -98,30 +94,23 @@ class CacheCoordinator:
         created = req is None
         if req is None:
             req = self.requests[req_id] = RequestState(req_id)
-        txn = Transaction(self, req, created)
-        self._txn, self._undo = txn, txn._undo
-        return txn
+        self._txn, self._undo = Transaction(self, req, created), []
+        return self._txn
 
-    def _check_txn(self, txn: Transaction) -> RequestState:
-        if not txn.open or self._txn is not txn:
-            raise TransactionError(f"request {txn.req_id}: the transaction is closed")
-        return txn._req
+    def _match(self, req: RequestState, token_ids) -> tuple[Hit, Node | None, Checkpoint | None]:
+        """Transaction.match's work: lock the hit's path, pin its checkpoint, point the request at it.
 
-    def _match(self, txn: Transaction, token_ids) -> Hit:
-        req = self._check_txn(txn)
-        if not txn._may_match or req.pages or req.state_slots or req.window_slots:
-            raise TransactionError(f"request {req.req_id}: match must come first in a new or paused request")
-        txn._may_match = False
-        txn._matched = True
+        Returns the hit, and the node locked and checkpoint pinned (None, None on a miss).
+        """
         if not self.spec.prefix_cache or len(token_ids) < 2:
-            return Hit(0, (), None)
+            return Hit(0, (), None), None, None
         found = self.tree.match(tuple(token_ids), len(token_ids) - 1)
         node, length = found.node, found.length
         if self.spec.hybrid:
             node = found.checkpoint_node
             length = 0 if node is None else node.depth
         if node is None or length == 0:
-            return Hit(0, (), None)
+            return Hit(0, (), None), None, None
         pages = self.tree.path_pages(node, length)  # a fresh list: the request's from now on
         self.tree.lock(node)
         ckpt = node.checkpoint if self.spec.hybrid else None
@@ -130,10 +119,9 @@ class CacheCoordinator:
         old_cached = req.cached_tokens
         req.pages, req.cursor, req.published, req.lock, req.held = pages, length, length, node, ckpt
         req.cached_tokens = length
-        txn._hit_node, txn._hit_ckpt = node, ckpt
         self._log(lambda: self._unmatch(req, node, ckpt, old_cached))
         ref = None if ckpt is None else CheckpointRef(ckpt.slot, ckpt.window, ckpt.length)
-        return Hit(length, tuple(pages), ref)
+        return Hit(length, tuple(pages), ref), node, ckpt
 
     def _unmatch(self, req: RequestState, node: Node, ckpt: Checkpoint | None, cached_tokens: int) -> None:
         if ckpt is not None:
@@ -142,28 +130,21 @@ class CacheCoordinator:
         req.pages, req.cursor, req.published, req.lock, req.held = [], 0, 0, None, None
         req.cached_tokens = cached_tokens
 
-    def _extend(self, txn: Transaction, tokens: int) -> tuple[int, ...]:
-        req = self._check_txn(txn)
-        P = self.spec.page_size
-        if (not txn._matched or req.cursor != req.published + txn._extended or req.state_slots
-                or len(req.pages) * P != req.cursor):
-            raise TransactionError(f"request {req.req_id}: extend must follow match, before reserve")
-        if tokens <= 0 or tokens % P:
-            raise ValueError(f"extend({tokens}): a positive multiple of the page size {P}")
-        need = tokens // P
+    def _extend(self, req: RequestState, tokens: int) -> tuple[int, ...]:
+        """Transaction.extend's work (order and amount checked there): fresh pages for `tokens` more."""
+        need = tokens // self.spec.page_size
         self._check_room(need, 0, 0)
         mark = len(self._undo)
         try:
             self._make_room(need, 0, 0)
             start = len(req.pages)
             self._grant(req, need, 0, 0)
-            old = (req.cursor, req.cached_tokens, txn._extended)
+            old = (req.cursor, req.cached_tokens)
             req.cursor += tokens
             req.cached_tokens = req.cursor
-            txn._extended += tokens
 
             def undo() -> None:
-                req.cursor, req.cached_tokens, txn._extended = old
+                req.cursor, req.cached_tokens = old
 
             self._log(undo)
         except BaseException:
@@ -171,11 +152,8 @@ class CacheCoordinator:
             raise
         return tuple(req.pages[start:])
 
-    def _reserve(self, txn: Transaction, tokens: int, pages: int, state_slots: int, window_slots: int) -> None:
-        req = self._check_txn(txn)
-        if min(tokens, pages, state_slots, window_slots) < 0:
-            raise ValueError("reserve amounts must be >= 0")
-        txn._may_match = False
+    def _reserve(self, req: RequestState, tokens: int, pages: int, state_slots: int, window_slots: int) -> None:
+        """Transaction.reserve's work: room for the cursor + `tokens`, plus the extras asked for."""
         cursor = req.cursor + tokens
         need_pages = max(0, self.pages.pages_for(cursor) - len(req.pages)) + pages
         self._check_room(need_pages, state_slots, window_slots)
@@ -252,50 +230,55 @@ class CacheCoordinator:
             held.extend(ids)
             self._log(lambda held=held, start=start: held.__delitem__(slice(start, None)))
 
-    def _commit(self, txn: Transaction) -> Grant:
-        req = self._check_txn(txn)
-        ops: list[CacheOp] = []
-        ckpt = txn._hit_ckpt
-        if ckpt is not None and not txn._extended:
-            if not req.state_slots:
-                self._rollback(txn)
-                raise TransactionError(f"request {req.req_id}: a checkpoint hit needs a live state slot")
-            src_window = ckpt.window if req.window_slots else None
+    def _commit(self, req: RequestState, hit_node: Node | None, restore: Checkpoint | None) -> tuple[CacheOp, ...]:
+        """Transaction.commit's work: keep every change, touch the hit, close.
+
+        restore: the checkpoint to copy into the request's live slot (the
+        caller checked it has one); returns its RestoreCheckpoint op.
+        """
+        ops: tuple[CacheOp, ...] = ()
+        if restore is not None:
+            src_window = restore.window if req.window_slots else None
             dst_window = req.window_slots[0] if src_window is not None else None
-            ops.append(RestoreCheckpoint(ckpt.slot, req.state_slots[0], ckpt.length, src_window, dst_window))
-            self.tree.touch_checkpoint(ckpt)
-        if txn._hit_node is not None:
-            self.tree.touch(txn._hit_node)
+            ops = (RestoreCheckpoint(restore.slot, req.state_slots[0], restore.length, src_window, dst_window),)
+            self.tree.touch_checkpoint(restore)
+        if hit_node is not None:
+            self.tree.touch(hit_node)
         req.phase = Phase.RUNNING
-        self._close(txn)
-        return Grant(
-            req.req_id, tuple(req.pages), txn._pages_before, req.cursor,
-            req.cached_tokens if txn._hit_node or txn._extended else 0,
-            tuple(req.state_slots), tuple(req.window_slots), tuple(ops),
-        )  # fmt: skip
+        self._close()
+        return ops
 
-    def _rollback(self, txn: Transaction) -> None:
-        req = self._check_txn(txn)
+    def _rollback(self, req: RequestState, forget: bool) -> None:
+        """Transaction.rollback's work: replay the undo log; forget a request the transaction registered."""
         self._undo_to(0)
-        if txn._created:
+        if forget:
             del self.requests[req.req_id]
-        self._close(txn)
+        self._close()
 
-    def _close(self, txn: Transaction) -> None:
-        txn.open = False
+    def _close(self) -> None:
         self._txn, self._undo = None, None
 
-    # ---- publish, pause, release ----------------------------------------------------
+    def _is_open(self, txn: Transaction) -> bool:
+        """True while `txn` is the open transaction."""
+        return self._txn is txn
 
-    def _running(self, req_id: int, what: str) -> RequestState:
+    def _refuse_in_transaction(self, what: str) -> None:
+        """Raise TransactionError while a transaction is open (`what` names the refused call)."""
         if self._txn is not None:
-            raise TransactionError(f"{what}({req_id}) while request {self._txn.req_id}'s transaction is open")
+            raise TransactionError(f"{what} while request {self._txn.req_id}'s transaction is open")
+
+    def _record_outside_transaction(self, req_id: int, what: str) -> RequestState:
+        """The request's record, for a call that must run between transactions (`what` names it).
+
+        Raises TransactionError while a transaction is open or when the request is unknown.
+        """
+        self._refuse_in_transaction(f"{what}({req_id})")
         req = self.requests.get(req_id)
         if req is None:
             raise TransactionError(f"{what}({req_id}): unknown request")
         return req
 
-    def publish(self, req_id: int, token_ids, upto: int, checkpoint: bool = False) -> Published:
+    def publish(self, req_id: int, token_ids, upto: int, checkpoint: bool = False, rolling: bool = False) -> Published:
         """Cache the request's computed prefix token_ids[:upto], rounded down to a page.
 
             token_ids [0 .... published) [published ..... aligned) [aligned .. upto)
@@ -306,16 +289,23 @@ class CacheCoordinator:
         lock moves to the node ending at `aligned` (it never moves up), and
         the checkpoint it restored from is unpinned.
         checkpoint=True (hybrid; upto must be page-aligned and equal the
-        position the live state is at): attach a checkpoint there, evicting
-        LRU checkpoints for a slot (plus a window if the request drafts);
-        returns its SaveCheckpoint op, or none when no slot can be had or the
-        node already has one. All-or-nothing: a failure inside undoes it all.
+        position the live state is at): attach a checkpoint there and return
+        its SaveCheckpoint op, or none when the node already has one or no
+        slot can be had. The slot is the request's rolling checkpoint's when
+        that one can move (see `_checkpoint`), else a fresh one, evicting LRU
+        checkpoints for it (plus a window if the request drafts).
+        rolling=True (with checkpoint=True): the checkpoint becomes the
+        request's rolling one, which its next checkpointed publish moves on;
+        rolling=False makes it permanent. All-or-nothing: a failure inside
+        undoes it all (the moved checkpoint goes back where it was).
         """
-        req = self._running(req_id, "publish")
+        req = self._record_outside_transaction(req_id, "publish")
         if req.phase is not Phase.RUNNING:
             raise TransactionError(f"publish({req_id}): the request is {req.phase.value}")
         if checkpoint and (not self.spec.hybrid or upto % self.spec.page_size):
             raise ValueError(f"publish({req_id}): checkpoints need a hybrid model and a page-aligned upto ({upto})")
+        if rolling and not checkpoint:
+            raise ValueError(f"publish({req_id}): rolling=True needs checkpoint=True")
         if not 0 <= upto <= min(req.cursor, len(token_ids)):
             raise ValueError(f"publish({req_id}): upto {upto} beyond cursor {req.cursor} or the tokens given")
         aligned = upto - upto % self.spec.page_size
@@ -323,14 +313,14 @@ class CacheCoordinator:
             return Published(req.published, 0, ())
         self._undo = []
         try:
-            return self._publish(req, tuple(token_ids[:aligned]), aligned, checkpoint)
+            return self._publish(req, tuple(token_ids[:aligned]), aligned, checkpoint, rolling)
         except BaseException:
             self._undo_to(0)
             raise
         finally:
             self._undo = None
 
-    def _publish(self, req: RequestState, tokens: tuple, aligned: int, checkpoint: bool) -> Published:
+    def _publish(self, req: RequestState, tokens: tuple, aligned: int, checkpoint: bool, rolling: bool) -> Published:
         P, inserted = self.spec.page_size, 0
         if aligned > req.published:
             # resume the walk at the request's locked node when it ends where its cached prefix does
@@ -351,10 +341,7 @@ class CacheCoordinator:
             self._move_lock(req, found.node, aligned)
             self._fault_point("publish.inserted")
         node = req.lock
-        ops: tuple[CacheOp, ...] = ()
-        if checkpoint and node.checkpoint is None:
-            op = self._take_checkpoint(req, node)
-            ops = () if op is None else (op,)
+        ops = self._checkpoint(req, node, rolling) if checkpoint else ()
         self._fault_point("publish.checkpointed")
         self.tree.touch(node)
         if node.checkpoint is not None:
@@ -382,21 +369,75 @@ class CacheCoordinator:
 
         self._log(undo)
 
-    def _take_checkpoint(self, req: RequestState, node: Node) -> SaveCheckpoint | None:
+    def _checkpoint(self, req: RequestState, node: Node, rolling: bool) -> tuple[CacheOp, ...]:
+        """Save the live state at `node` (the request's lock): its rolling checkpoint moved, or a fresh one.
+
+            tokens  [0 ........ r) ........ [r ............. node.depth)
+            before   rolling ckpt at r (slot s)
+            after    nothing at r             ckpt at node.depth (slot s); op: SaveCheckpoint(live -> s)
+
+        The rolling one moves only when `_can_move` says nobody may read its
+        slot; then the request's rolling checkpoint is the moved one (rolling)
+        or none (permanent). Otherwise a fresh slot is taken, which becomes the
+        rolling one (rolling) or leaves it as it was (permanent); the old one
+        stays where it is, an ordinary checkpoint. Why a moved slot is safe to
+        overwrite: ops run in emission order before the next forward, so a
+        RestoreCheckpoint from a later match (in this plan or after) follows
+        this SaveCheckpoint and reads the new state, and a reader of the old
+        state pins it until its copy ran (a request until it publishes deeper,
+        pauses or is released; a tier hold until its StoreState ran).
+        """
+        if node.checkpoint is not None:
+            if node.checkpoint is req.rolling and not rolling:
+                self._set_rolling(req, None)  # published for good where it already is
+            return ()
         if not req.state_slots:
             raise TransactionError(f"publish({req.req_id}): a checkpoint needs the request's live state slot")
+        old = req.rolling
+        moved = old is not None and self._can_move(req, old)
+        ckpt = self._move_checkpoint(old, node) if moved else self._take_checkpoint(req, node)
+        if ckpt is None:
+            return ()  # caching is best effort: the pages are published without it
+        if rolling or moved:
+            self._set_rolling(req, ckpt if rolling else None)
+        src_window = req.window_slots[0] if ckpt.window is not None else None
+        return (SaveCheckpoint(req.state_slots[0], ckpt.slot, node.depth, src_window, ckpt.window),)
+
+    def _can_move(self, req: RequestState, ckpt: Checkpoint) -> bool:
+        """Nobody may read the slot: still attached (not evicted), unpinned, and shaped like
+        the request's state (a window exactly when the request drafts)."""
+        return (
+            ckpt.node.in_tree and ckpt.node.checkpoint is ckpt and ckpt.holds == 0
+            and (ckpt.window is not None) == bool(req.window_slots)
+        )  # fmt: skip
+
+    def _move_checkpoint(self, ckpt: Checkpoint, node: Node) -> Checkpoint:
+        """Detach `ckpt` and attach its slot and window at `node`; both steps are logged."""
+        tree = self.tree
+        tree.detach_checkpoint(ckpt)
+        self._log(lambda: tree.reattach_checkpoint(ckpt))
+        moved = tree.attach_checkpoint(node, ckpt.slot, ckpt.window)
+        self._log(lambda: tree.detach_checkpoint(moved))
+        return moved
+
+    def _take_checkpoint(self, req: RequestState, node: Node) -> Checkpoint | None:
+        """A fresh slot (and window if the request drafts) attached at `node`, or None when none can be had."""
         windows = 1 if req.window_slots else 0
         try:
             self._check_room(0, 1, windows)
         except CapacityError:
-            return None  # caching is best effort: the pages are published without it
+            return None
         self._make_room(0, 1, windows)
         slot = self._alloc(self.state_slots, 1)[0]
         window = self._alloc(self.window_slots, 1)[0] if windows else None
         ckpt = self.tree.attach_checkpoint(node, slot, window)
         self._log(lambda: self.tree.detach_checkpoint(ckpt))
-        src_window = req.window_slots[0] if windows else None
-        return SaveCheckpoint(req.state_slots[0], slot, node.depth, src_window, window)
+        return ckpt
+
+    def _set_rolling(self, req: RequestState, ckpt: Checkpoint | None) -> None:
+        old = req.rolling
+        req.rolling = ckpt
+        self._log(lambda: setattr(req, "rolling", old))
 
     def pause(self, req_id: int) -> None:
         """Preempt: free everything the request holds except what it published.
@@ -405,14 +446,21 @@ class CacheCoordinator:
         and windows go back to the pools; its lock and pin are dropped, so
         its published prefix stays cached, unreferenced. The record stays,
         PAUSED; the next `begin` may match again. Publish first to keep more.
+        Its rolling checkpoint stays its own: once resumed, its next rolling
+        publish moves it on (the resumed match pins it until then), unless
+        it was evicted meanwhile.
         """
-        req = self._running(req_id, "pause")
+        req = self._record_outside_transaction(req_id, "pause")
         self._drop(req)
         req.phase = Phase.PAUSED
 
     def release(self, req_id: int) -> None:
-        """Finish or abort: like pause, then forget the request."""
-        req = self._running(req_id, "release")
+        """Finish or abort: like pause, then forget the request.
+
+        Its rolling checkpoint (its last page boundary while decoding) stays
+        in the tree as an ordinary one: what a next turn of the conversation hits.
+        """
+        req = self._record_outside_transaction(req_id, "release")
         self._drop(req)
         del self.requests[req_id]
 
@@ -427,18 +475,17 @@ class CacheCoordinator:
         req.pages, req.duplicates, req.cursor, req.published = [], [], 0, 0
         req.lock, req.held, req.state_slots, req.window_slots = None, None, [], []
 
-    # ---- holds: pages being copied out to a lower tier ----------------------------------
-
     def hold(self, req_id: int) -> Hold | None:
         """Keep the request's published prefix (and its checkpoint) from eviction while it is copied out.
 
             tokens [0 ............ published)   the path to the request's lock node
             hold    locks that path; pins the node's checkpoint when it has one
+                    (a pinned rolling checkpoint does not move: the copy reads it)
 
         The hold outlives the request: release it with `unhold` once the copy
         ran. Returns None when nothing is published. No transaction may be open.
         """
-        req = self._running(req_id, "hold")
+        req = self._record_outside_transaction(req_id, "hold")
         node = req.lock
         if node is None or req.published == 0:
             return None
@@ -454,7 +501,7 @@ class CacheCoordinator:
 
     def unhold(self, hold: Hold) -> None:
         """Let go of a hold (the copy ran or failed); its entries become evictable again."""
-        self._running_check("unhold")
+        self._refuse_in_transaction("unhold")
         if self.holds.pop(hold.hold_id, None) is None:
             raise TransactionError(f"unhold: hold {hold.hold_id} is not held")
         if hold.checkpoint is not None:
@@ -471,15 +518,13 @@ class CacheCoordinator:
             return 0 if node is None else node.depth
         return found.length
 
-    # ---- eviction -------------------------------------------------------------------
-
     def evict(self, pages: int = 0, checkpoints: int = 0) -> Evicted:
         """Free at least `pages` tree pages and `checkpoints` checkpoints, as far as possible.
 
         Follows the eviction orders (see hkv.cache.radix); a leaf is freed
         whole, so more pages than asked may go. Returns what was freed.
         """
-        self._running_check("evict")
+        self._refuse_in_transaction("evict")
         freed_pages = freed_ckpts = 0
         while freed_pages < pages:
             node = self.tree.evict_leaf()
@@ -493,12 +538,8 @@ class CacheCoordinator:
 
     def flush(self) -> Evicted:
         """Drop every unreferenced entry: unlocked nodes and unpinned checkpoints."""
-        self._running_check("flush")
+        self._refuse_in_transaction("flush")
         return self.evict(pages=self.spec.num_pages + 1, checkpoints=self.spec.num_state_slots + 1)
-
-    def _running_check(self, what: str) -> None:
-        if self._txn is not None:
-            raise TransactionError(f"{what} while request {self._txn.req_id}'s transaction is open")
 
     def _release_evicted(self, node: Node) -> int:
         self.pages.free(node.pages)
@@ -506,8 +547,6 @@ class CacheCoordinator:
             return 0
         self._free_checkpoint_slots(node.checkpoint)
         return 1
-
-    # ---- inspection -----------------------------------------------------------------
 
     def check_integrity(self, allow_open_transaction: bool = False) -> None:
         """Prove the books balance; raises AssertionError naming the first breach.
@@ -525,24 +564,3 @@ class CacheCoordinator:
     def in_transaction(self) -> bool:
         """True while a transaction is open (publish, pause, release and flush must wait)."""
         return self._txn is not None
-
-    def stats(self) -> dict:
-        """Pool and tree figures in hkv-inspect's shape: total, free, cached, in_use per pool."""
-        tree = self.tree
-        ckpt_windows = sum(1 for n in tree.nodes() if n.checkpoint is not None and n.checkpoint.window is not None)
-        pools = {}
-        for key, pool, cached in (
-            ("gpu_pages", self.pages, tree.cached_pages),
-            ("state_slots", self.state_slots, tree.num_checkpoints),
-            ("window_slots", self.window_slots, ckpt_windows),
-        ):
-            free = pool.free_count
-            pools[key] = {"total": pool.size, "free": free, "cached": cached, "in_use": pool.size - free - cached}
-        radix = {
-            "nodes": tree.num_nodes,
-            "cached_tokens": tree.cached_pages * self.spec.page_size,
-            "evictable_pages": tree.evictable_pages,
-            "checkpoints": tree.num_checkpoints,
-            "evictable_checkpoints": tree.evictable_checkpoints,
-        }
-        return {"pools": pools, "radix": radix, "requests": len(self.requests)}

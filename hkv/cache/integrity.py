@@ -31,6 +31,7 @@ class _Holders:
         self.window_slots: set[int] = set()
         self.locks: dict[int, int] = {}  # id(node) -> requests locking it or a descendant
         self.holds: dict[int, int] = {}  # id(checkpoint) -> requests pinning it
+        self.rolling: set[int] = set()  # id(checkpoint) of every attached rolling checkpoint
 
 
 def check(coord: "CacheCoordinator", allow_open_transaction: bool) -> None:
@@ -76,6 +77,7 @@ def _check_request(coord: "CacheCoordinator", req: "RequestState", holders: _Hol
     )
     assert req.published % P == 0, f"{name}: published {req.published} is not page-aligned"
     _check_request_prefix(coord, req, name)
+    _check_rolling(req, name, holders)
     _add_disjoint(holders.pages, req.owned_pages(P), f"{name} pages")
     _add_disjoint(holders.state_slots, req.state_slots, f"{name} state slots")
     _add_disjoint(holders.window_slots, req.window_slots, f"{name} window slots")
@@ -109,6 +111,16 @@ def _check_request_prefix(coord: "CacheCoordinator", req: "RequestState", name: 
     held = req.held
     if held is not None:
         assert held.node is req.lock and req.lock.checkpoint is held, f"{name}: pins a checkpoint off its lock node"
+
+
+def _check_rolling(req: "RequestState", name: str, holders: _Holders) -> None:
+    """An attached rolling checkpoint has one owner: its publishes move it, and a second owner
+    would move it from under the first. (The tree walk counts its slot as cached.)"""
+    ckpt = req.rolling
+    if ckpt is None or not ckpt.node.in_tree or ckpt.node.checkpoint is not ckpt:
+        return  # none, or evicted: the next checkpoint it publishes takes a fresh slot
+    assert id(ckpt) not in holders.rolling, f"{name}: its rolling checkpoint is another request's too"
+    holders.rolling.add(id(ckpt))
 
 
 def _check_tree(tree: RadixTree, hybrid: bool, holders: _Holders) -> tuple[set[int], set[int], set[int]]:

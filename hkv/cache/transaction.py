@@ -1,17 +1,20 @@
 """The handle of one all-or-nothing cache change, and the records it changes.
 
-`CacheCoordinator.begin` returns a `Transaction`; its methods are the API and
-the coordinator (hkv/cache/coordinator.py) does the work. `RequestState` is the
-coordinator's record of one request, `Hold` a published prefix kept in place
-while a lower tier copies it out.
+`CacheCoordinator.begin` returns a `Transaction`; its methods are the API. It
+keeps its own state (what it matched, how far it extended) and checks the
+call order; the coordinator (hkv/cache/coordinator.py) does the work on the
+pools, the tree and the request records, and keeps the undo log.
+`RequestState` is the coordinator's record of one request, `Hold` a
+published prefix kept in place while a lower tier copies it out.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
+from hkv.cache.errors import TransactionError
 from hkv.cache.radix import Checkpoint, Node
 from hkv.cache.types import Grant, Hit
 
@@ -43,7 +46,7 @@ class RequestState:
 
     __slots__ = (
         "req_id", "phase", "pages", "duplicates", "cursor", "published", "lock", "held",
-        "state_slots", "window_slots", "cached_tokens",
+        "state_slots", "window_slots", "cached_tokens", "rolling",
     )  # fmt: skip
 
     def __init__(self, req_id: int):
@@ -60,6 +63,9 @@ class RequestState:
         self.state_slots: list[int] = []  # [0] is the live state; more for speculative candidates
         self.window_slots: list[int] = []  # [0] is the live draft window
         self.cached_tokens: int = 0  # tokens its latest match served from the cache
+        # Its rolling checkpoint (publish(..., rolling=True)): the next checkpoint it publishes
+        # moves this one's slot when it can. Stale once evicted; outlives a pause, not a release.
+        self.rolling: Checkpoint | None = None
 
     def owned_pages(self, page_size: int) -> list[int]:
         """Pages only this request holds: its duplicates, then every page past `published`.
@@ -73,6 +79,11 @@ class RequestState:
 class Transaction:
     """One all-or-nothing change for one request; created by `CacheCoordinator.begin`.
 
+    The transaction owns its own state: whether it may still match, what its
+    match locked and how far `extend` grew the hit. The coordinator owns the
+    pools, the tree, the request records and the undo log; each method here
+    checks the call order and then asks the coordinator for the work.
+
     Use as a context manager to roll back on an exception or when the block
     ends without `commit`.
     """
@@ -81,15 +92,20 @@ class Transaction:
         self.req_id: int = req.req_id
         self.open: bool = True
         self._coord: CacheCoordinator = coord
-        self._req: RequestState = req
+        self._req: RequestState = req  # the coordinator's record: read here, written there only
         self._created: bool = created  # begin made the request's record; rollback removes it
         self._may_match: bool = req.phase is not Phase.RUNNING
         self._pages_before: int = len(req.pages)
-        self._hit_node: Node | None = None
-        self._hit_ckpt: Checkpoint | None = None
+        self._hit_node: Node | None = None  # the node match locked, touched (LRU) at commit
+        self._hit_checkpoint: Checkpoint | None = None  # the checkpoint match pinned, restored at commit
         self._matched: bool = False  # match ran in this transaction (extend may follow it)
         self._extended: int = 0  # tokens a lower tier supplies past the hit (see extend)
-        self._undo: list[Callable[[], None]] = []
+
+    def _check_open(self) -> RequestState:
+        # the coordinator's word, not only the flag: a closed handle stays closed whatever `open` says
+        if not self.open or not self._coord._is_open(self):
+            raise TransactionError(f"request {self.req_id}: the transaction is closed")
+        return self._req
 
     def match(self, token_ids: list[int] | tuple[int, ...]) -> Hit:
         """Find and lock the longest reusable cached prefix of `token_ids`.
@@ -101,7 +117,12 @@ class Transaction:
         rollback): locks the hit's path, pins its checkpoint, sets the
         request's pages to the hit's pages and its cursor to hit.length.
         """
-        return self._coord._match(self, token_ids)
+        req = self._check_open()
+        if not self._may_match or req.pages or req.state_slots or req.window_slots:
+            raise TransactionError(f"request {req.req_id}: match must come first in a new or paused request")
+        self._may_match, self._matched = False, True
+        hit, self._hit_node, self._hit_checkpoint = self._coord._match(req, token_ids)
+        return hit
 
     def extend(self, tokens: int) -> tuple[int, ...]:
         """Grow the hit by `tokens` whose K/V (and state) a lower tier supplies (a CPU or disk hit).
@@ -116,7 +137,16 @@ class Transaction:
         the live slot on a hybrid model), so commit emits no RestoreCheckpoint.
         Returns the new page ids, in sequence order.
         """
-        return self._coord._extend(self, tokens)
+        req = self._check_open()
+        P = self._coord.spec.page_size
+        if (not self._matched or req.cursor != req.published + self._extended or req.state_slots
+                or len(req.pages) * P != req.cursor):
+            raise TransactionError(f"request {req.req_id}: extend must follow match, before reserve")
+        if tokens <= 0 or tokens % P:
+            raise ValueError(f"extend({tokens}): a positive multiple of the page size {P}")
+        pages = self._coord._extend(req, tokens)
+        self._extended += tokens
+        return pages
 
     def reserve(self, *, tokens: int = 0, pages: int = 0, state_slots: int = 0, window_slots: int = 0) -> None:
         """Reserve what the request's next step needs, evicting unreferenced cache entries.
@@ -130,7 +160,11 @@ class Transaction:
         Raises CapacityError having changed nothing (the transaction stays
         open: reserve less, or roll back). Eviction follows the tree's order.
         """
-        self._coord._reserve(self, tokens, pages, state_slots, window_slots)
+        req = self._check_open()
+        if min(tokens, pages, state_slots, window_slots) < 0:
+            raise ValueError("reserve amounts must be >= 0")
+        self._may_match = False
+        self._coord._reserve(req, tokens, pages, state_slots, window_slots)
 
     def commit(self) -> Grant:
         """Close the transaction keeping every change; returns the request's holdings and ops.
@@ -138,11 +172,25 @@ class Transaction:
         Raises TransactionError (after rolling back) when a checkpoint hit
         has no live state slot to restore into.
         """
-        return self._coord._commit(self)
+        req = self._check_open()
+        # a tier run loaded past the hit replaces the checkpoint's state (the caller's LoadState)
+        restore = self._hit_checkpoint if not self._extended else None
+        if restore is not None and not req.state_slots:
+            self.rollback()
+            raise TransactionError(f"request {req.req_id}: a checkpoint hit needs a live state slot")
+        ops = self._coord._commit(req, self._hit_node, restore)
+        self.open = False
+        served = self._hit_node is not None or self._extended > 0
+        return Grant(
+            req.req_id, tuple(req.pages), self._pages_before, req.cursor, req.cached_tokens if served else 0,
+            tuple(req.state_slots), tuple(req.window_slots), ops,
+        )  # fmt: skip
 
     def rollback(self) -> None:
         """Close the transaction undoing every change: pools, tree, locks, cursor."""
-        self._coord._rollback(self)
+        req = self._check_open()
+        self.open = False
+        self._coord._rollback(req, forget=self._created)
 
     def __enter__(self) -> "Transaction":
         return self

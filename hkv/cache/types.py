@@ -52,18 +52,6 @@ class CacheSpec:
         if interval is not None and not self.hybrid:
             raise ValueError("checkpoint_interval is only meaningful for a hybrid model")
 
-    def pages_for(self, tokens: int) -> int:
-        """Pages needed to hold `tokens` tokens: ceil(tokens / page_size)."""
-        return -(-tokens // self.page_size)
-
-    def is_checkpoint_boundary(self, position: int) -> bool:
-        """True when a prefill chunk should end at `position` (a multiple of the interval)."""
-        interval = self.checkpoint_interval
-        return interval is not None and position > 0 and position % interval == 0
-
-
-# ---- cache ops: the router copies these into the step plan ----------------------
-
 
 class RestoreCheckpoint(msgspec.Struct, frozen=True, tag="restore_checkpoint"):
     """Copy a cached checkpoint into a request's live slot; runs before the step's forward.
@@ -130,9 +118,6 @@ class LoadState(msgspec.Struct, frozen=True, tag="load_state"):
 
 
 CacheOp = RestoreCheckpoint | SaveCheckpoint | StorePages | StoreState | LoadPages | LoadState
-
-
-# ---- results --------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,15 @@ chunk of the tokens whose K/V are not computed yet:
 A new (or preempted) sequence starts at the longest cached prefix the
 coordinator matches; at least one token is always recomputed. On a hybrid
 model chunks end on checkpoint boundaries (every --checkpoint-interval
-tokens and the prompt's last page boundary) and the state there is saved.
+tokens and the prompt's last page boundary) and the state there is saved
+for good. Every other page boundary a sequence reaches (decoding, or a
+chunk cut by the budget) saves its one rolling checkpoint, which moves on
+to the next such boundary; on finish it stays where it is, at the last
+page boundary of prompt + output, for the conversation's next turn. A
+36-token prompt and 200 output tokens, page 16, interval 256:
+
+    tokens  [0 ...... 32)[32 ... 48)[48 ... 64) ... [208 .. 224)[224 .. 236)
+    ckpts             ^ kept      ^ rolling -> ^ ... ----------> ^ left on finish
 """
 
 from __future__ import annotations
@@ -101,8 +109,6 @@ class Scheduler:
         self._finished: list[TokenDelta] = []  # deltas produced outside a step (aborts)
         self._in_flight: dict[int, Sequence] = {}  # slot -> sequence of the plan in flight
 
-    # ---- inputs -----------------------------------------------------------------
-
     def add(self, req: GenerateRequest) -> None:
         seq = Sequence(req.req_id, list(req.prompt_ids), req.sampling)
         if self.tiers is not None:
@@ -162,8 +168,6 @@ class Scheduler:
     def take_finished(self) -> list[TokenDelta]:
         out, self._finished = self._finished, []
         return out
-
-    # ---- planning ---------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when nothing can run.
@@ -357,8 +361,6 @@ class Scheduler:
         t.kv_len[slot] = kv_end
         t.phase[slot] = SlotPhase.DECODE if seq.output_ids else SlotPhase.PREFILL
 
-    # ---- results ----------------------------------------------------------------
-
     def on_result(self, result: StepResult, plan: StepPlan) -> list[TokenDelta]:
         """Apply a rank's result to the plan it answers; returns deltas to stream."""
         in_flight, self._in_flight = self._in_flight, {}
@@ -386,10 +388,13 @@ class Scheduler:
         return deltas
 
     def _publish(self, seq: Sequence, prefill: bool) -> None:
-        """Cache the computed prefix; on a hybrid model save the state at a checkpoint boundary.
+        """Cache the computed prefix; on a hybrid model save the state at each page boundary.
 
         Dense: after a prefill chunk and when decoding fills a page (publishing a
-        prefix that did not grow by a page would change nothing).
+        prefix that did not grow by a page would change nothing). Hybrid: a
+        checkpoint boundary (an interval multiple, the prompt's last page
+        boundary) keeps its checkpoint and is offloaded; any other page boundary
+        moves the sequence's rolling checkpoint there (see the module docstring).
         """
         if not self.coord.spec.prefix_cache:
             return
@@ -402,10 +407,12 @@ class Scheduler:
                     self._offload(seq)
             return
         if at_page:
-            published = self.coord.publish(seq.req_id, seq.all_ids(), end, checkpoint=True)
-            self._ops.extend(published.ops)
             interval = self.limits.checkpoint_interval
-            if end == len(seq.prompt_ids) // ps * ps or (interval and end % interval == 0):
+            kept = end == len(seq.prompt_ids) // ps * ps or bool(interval and end % interval == 0)
+            published = self.coord.publish(seq.req_id, seq.all_ids(), end, checkpoint=True, rolling=not kept)
+            # ahead of this plan's admissions: a RestoreCheckpoint from a moved checkpoint reads the new state
+            self._ops.extend(published.ops)
+            if kept:
                 self._offload(seq)
 
     def _offload(self, seq: Sequence) -> None:
@@ -435,7 +442,11 @@ class Scheduler:
         return None
 
     def _leave(self, seq: Sequence, publish: bool) -> None:
-        """Finish or abort: a dense sequence's computed prefix stays cached for later turns."""
+        """Finish or abort: a dense sequence's computed prefix stays cached for later turns.
+
+        A hybrid one published as it went; its rolling checkpoint (its last page
+        boundary) stays in the tree, and a finish copies it out with the prefix.
+        """
         if publish and not self.limits.hybrid and self.coord.spec.prefix_cache and seq.kv_len:
             self.coord.publish(seq.req_id, seq.all_ids(), seq.kv_len)
         if publish:

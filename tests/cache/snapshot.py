@@ -26,9 +26,11 @@ def canonical(coord: CacheCoordinator) -> tuple:
     for rid, req in sorted(coord.requests.items()):
         lock_depth = None if req.lock is None else req.lock.depth
         held = None if req.held is None else req.held.slot
+        ckpt = req.rolling
+        rolling = None if ckpt is None else (ckpt.slot, ckpt.length, ckpt.node.in_tree and ckpt.node.checkpoint is ckpt)
         requests.append((
             rid, req.phase, tuple(req.pages), tuple(req.duplicates), req.cursor, req.published,
-            lock_depth, held, tuple(req.state_slots), tuple(req.window_slots), req.cached_tokens,
+            lock_depth, held, tuple(req.state_slots), tuple(req.window_slots), req.cached_tokens, rolling,
         ))  # fmt: skip
     counters = (
         tree.cached_pages, tree.evictable_pages, tree.num_checkpoints,

@@ -28,9 +28,6 @@ def run(coord, rid, tokens, *, state_slots=0, window_slots=0, publish=True, chec
     return hit, grant, published
 
 
-# ---- dense -----------------------------------------------------------------------
-
-
 def test_admit_publish_and_hit_with_exact_pages():
     coord = dense()
     hit, grant, published = run(coord, 1, [1, 2, 3, 4, 5])
@@ -41,7 +38,9 @@ def test_admit_publish_and_hit_with_exact_pages():
     hit, grant, _ = run(coord, 2, [1, 2, 3, 4, 9, 9], publish=False)
     assert hit.length == 4 and hit.pages == (0, 1)
     assert grant.pages == (0, 1, 3) and grant.cursor == 6 and grant.cached_tokens == 4
-    assert coord.stats()["pools"]["gpu_pages"] == {"total": 8, "free": 4, "cached": 2, "in_use": 2}
+    # pages 0, 1 are the tree's; 2 (request 1's partial page) and 3 are the requests' own
+    assert coord.pages.free_ids() == [4, 5, 6, 7] and coord.tree.cached_pages == 2
+    assert [coord.requests[r].owned_pages(2) for r in (1, 2)] == [[2], [3]]
 
 
 def test_at_least_one_prompt_token_is_recomputed():
@@ -230,9 +229,10 @@ def test_the_api_refuses_calls_out_of_order():
     txn.commit()
     with pytest.raises(TransactionError):
         txn.commit()
+    again = coord.begin(1)
     with pytest.raises(TransactionError):
-        coord.begin(1).match([1, 2, 3])  # a running request matched already
-    coord._txn.rollback()
+        again.match([1, 2, 3])  # a running request matched already
+    again.rollback()
     with pytest.raises(ValueError):
         coord.publish(1, [1, 2, 3], 3)  # beyond its cursor
     with pytest.raises(TransactionError):
@@ -246,9 +246,6 @@ def test_check_integrity_names_a_leaked_page():
     coord.requests[1].cursor = 2
     with pytest.raises(AssertionError, match=r"pages: free 6 \+ owned 1 \+ cached 0 = 7 != 8; missing \[1\]"):
         coord.check_integrity()
-
-
-# ---- hybrid ----------------------------------------------------------------------
 
 
 def test_hybrid_hits_the_deepest_checkpoint_and_restores_it():
@@ -340,3 +337,129 @@ def test_a_failure_mid_publish_undoes_all_of_it(point):
     faults.armed.clear()
     assert coord.publish(2, [1, 2, 3, 4, 5, 6], 6, checkpoint=True).ops == (SaveCheckpoint(0, 1, 6),)
     coord.check_integrity()
+
+
+def decode(coord, rid, tokens, upto, rolling=True):
+    """A running request computes up to `upto` in its own transaction, then checkpoints there."""
+    with coord.begin(rid) as txn:
+        txn.reserve(tokens=upto - coord.requests[rid].cursor)
+        txn.commit()
+    published = coord.publish(rid, tokens, upto, checkpoint=True, rolling=rolling)
+    coord.check_integrity()
+    return published.ops
+
+
+def checkpoints(coord):
+    """{depth: slot} of every checkpoint in the tree."""
+    return {n.depth: n.checkpoint.slot for n in coord.tree.nodes() if n.checkpoint is not None}
+
+
+TURN = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]  # prompt [1..5], then decoded tokens
+
+
+def prompt_checkpointed(coord, rid=1):
+    """Request `rid` (live slot 0) prefilled TURN[:5] and checkpointed its prompt at 4 in slot 1."""
+    with coord.begin(rid) as txn:
+        txn.match(TURN[:5])
+        txn.reserve(tokens=4, state_slots=1)
+        txn.commit()
+    assert coord.publish(rid, TURN, 4, checkpoint=True).ops == (SaveCheckpoint(0, 1, 4),)
+
+
+def test_a_rolling_checkpoint_moves_its_slot_to_each_new_boundary():
+    coord = hybrid(slots=4)
+    prompt_checkpointed(coord)
+    assert decode(coord, 1, TURN, 6) == (SaveCheckpoint(0, 2, 6),)  # the first one takes a fresh slot
+    assert decode(coord, 1, TURN, 8) == (SaveCheckpoint(0, 2, 8),)  # then it moves: same slot, new length
+    assert decode(coord, 1, TURN, 10) == (SaveCheckpoint(0, 2, 10),)
+    assert checkpoints(coord) == {4: 1, 10: 2} and coord.state_slots.free_ids() == [3]
+    coord.release(1)  # the finish leaves the rolling one as an ordinary checkpoint
+    assert checkpoints(coord) == {4: 1, 10: 2}
+    hit, grant, _ = run(coord, 2, TURN[:10] + [50], state_slots=1, publish=False)
+    assert hit.checkpoint == CheckpointRef(2, None, 10)  # the next turn hits where the last one ended
+    assert grant.ops == (RestoreCheckpoint(2, 0, 10),)
+
+
+def test_a_pinned_rolling_checkpoint_stays_and_a_fresh_slot_rolls_on():
+    coord = hybrid(slots=6)
+    prompt_checkpointed(coord)
+    decode(coord, 1, TURN, 6)  # rolling at 6 in slot 2
+    hit, grant, _ = run(coord, 2, TURN[:6] + [60], state_slots=1, publish=False)
+    assert hit.length == 6 and grant.ops == (RestoreCheckpoint(2, 3, 6),)  # may still be copying slot 2
+    assert decode(coord, 1, TURN, 8) == (SaveCheckpoint(0, 4, 8),)
+    assert checkpoints(coord) == {4: 1, 6: 2, 8: 4}
+    coord.release(2)  # slot 2 is unpinned, but it is no longer request 1's rolling checkpoint
+    assert decode(coord, 1, TURN, 10) == (SaveCheckpoint(0, 4, 10),)
+    assert checkpoints(coord) == {4: 1, 6: 2, 10: 4}
+
+
+def test_a_tier_hold_keeps_the_rolling_checkpoint_in_place():
+    coord = hybrid(slots=4)
+    prompt_checkpointed(coord)
+    decode(coord, 1, TURN, 6)
+    hold = coord.hold(1)  # a tier copies slot 2 out
+    assert hold.checkpoint.slot == 2
+    assert decode(coord, 1, TURN, 8) == (SaveCheckpoint(0, 3, 8),)
+    coord.unhold(hold)
+    assert checkpoints(coord) == {4: 1, 6: 2, 8: 3}
+    coord.check_integrity()
+
+
+def test_an_interval_checkpoint_takes_the_rolling_slot_for_good():
+    coord = hybrid(slots=4)
+    prompt_checkpointed(coord)
+    decode(coord, 1, TURN, 6)
+    assert decode(coord, 1, TURN, 8, rolling=False) == (SaveCheckpoint(0, 2, 8),)
+    assert coord.requests[1].rolling is None
+    assert decode(coord, 1, TURN, 10) == (SaveCheckpoint(0, 3, 10),)  # no rolling one left: a fresh slot
+    assert decode(coord, 1, TURN, 12) == (SaveCheckpoint(0, 3, 12),)
+    assert checkpoints(coord) == {4: 1, 8: 2, 12: 3}
+
+
+def test_an_evicted_rolling_checkpoint_is_replaced_by_a_fresh_one():
+    coord = hybrid(slots=4)
+    prompt_checkpointed(coord)
+    decode(coord, 1, TURN, 6)
+    assert coord.evict(checkpoints=2) == Evicted(pages=0, checkpoints=2)  # the prompt's (LRU), then slot 2
+    assert coord.state_slots.free_ids() == [2, 1, 3]
+    assert decode(coord, 1, TURN, 8) == (SaveCheckpoint(0, 2, 8),)
+    assert checkpoints(coord) == {8: 2}
+
+
+def test_a_rolling_checkpoint_outlives_a_pause():
+    coord = hybrid(slots=4)
+    prompt_checkpointed(coord)
+    decode(coord, 1, TURN, 6)
+    coord.pause(1)
+    hit, grant, _ = run(coord, 1, TURN[:7], state_slots=1, publish=False)  # resumes from its own checkpoint
+    assert hit.length == 6 and grant.ops == (RestoreCheckpoint(2, 0, 6),)
+    assert decode(coord, 1, TURN, 8) == (SaveCheckpoint(0, 2, 8),)  # published deeper: unpinned, so it moves
+    assert checkpoints(coord) == {4: 1, 8: 2}
+
+
+@pytest.mark.parametrize("point", ["publish.inserted", "publish.checkpointed"])
+def test_a_failure_mid_publish_leaves_the_rolling_checkpoint_where_it_was(point):
+    faults = Faults()
+    coord = hybrid(slots=4, fault=faults)
+    prompt_checkpointed(coord)
+    decode(coord, 1, TURN, 6)
+    with coord.begin(1) as txn:
+        txn.reserve(tokens=2)
+        txn.commit()
+    before = canonical(coord)
+    faults.armed.add(point)
+    with pytest.raises(OSError):
+        coord.publish(1, TURN, 8, checkpoint=True, rolling=True)
+    assert canonical(coord) == before and checkpoints(coord) == {4: 1, 6: 2}
+    assert coord.requests[1].rolling.length == 6
+    coord.check_integrity()
+    faults.armed.clear()
+    assert coord.publish(1, TURN, 8, checkpoint=True, rolling=True).ops == (SaveCheckpoint(0, 2, 8),)
+    coord.check_integrity()
+
+
+def test_rolling_needs_a_checkpoint():
+    coord = hybrid()
+    run(coord, 1, [1, 2, 3, 4], state_slots=1, publish=False)
+    with pytest.raises(ValueError, match="rolling=True needs checkpoint=True"):
+        coord.publish(1, [1, 2, 3, 4], 4, rolling=True)

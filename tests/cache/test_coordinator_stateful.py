@@ -30,6 +30,7 @@ class RequestModel:
         self.tokens: list[int] = tokens  # prompt, then tokens "generated" as it runs
         self.cursor: int = 0
         self.paused: bool = True  # True until its first commit: its next transaction may match
+        self.rolling: tuple[int, tuple] | None = None  # (slot, tokens) of its rolling checkpoint, if any
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
@@ -50,6 +51,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.pending_pages: dict[int, tuple] = {}  # page writes of the open transaction's step
         self.page_tokens: dict[int, tuple] = {}  # page id -> tokens whose KV it holds
         self.slot_tokens: dict[int, tuple] = {}  # state slot -> tokens its state covers
+        self.restoring: dict[int, tuple[int, tuple]] = {}  # request -> (slot, tokens) its commit restores from
         self.history: list[tuple] = []  # sequences published so far, to continue as new turns
 
     def _fault(self, name: str) -> None:
@@ -65,8 +67,6 @@ class CoordinatorMachine(RuleBasedStateMachine):
         elif not committed:
             self.models[self.txn.req_id].cursor = self.txn_cursor
         self.txn, self.pending_pages = None, {}
-
-    # ---- transactions ---------------------------------------------------------------
 
     def _draw_prompt(self, data) -> list[int]:
         """Half the time a new turn of a sequence seen before (so hits happen), else random."""
@@ -180,6 +180,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         for op in grant.ops:
             assert isinstance(op, RestoreCheckpoint) and op.dst_slot == grant.state_slots[0]
             assert self.slot_tokens[op.src_slot] == tuple(model.tokens[: op.length])
+            self.restoring[rid] = (op.src_slot, tuple(model.tokens[: op.length]))
             event("commit: restore checkpoint")
         self.page_tokens.update(self.pending_pages)
         if grant.state_slots:
@@ -202,8 +203,6 @@ class CoordinatorMachine(RuleBasedStateMachine):
                 raise InjectedFault("the step could not be planned")
         assert canonical(self.coord) == self.txn_before
         self._close(committed=False)
-
-    # ---- whole router steps: the common paths, so runs get deep enough to hit -------
 
     @precondition(lambda self: self.txn is None and len(self.models) < MAX_REQUESTS)
     @rule(publish=st.booleans(), data=st.data())
@@ -232,6 +231,21 @@ class CoordinatorMachine(RuleBasedStateMachine):
         else:
             self.rollback()
 
+    @precondition(lambda self: self.txn is None and self.spec.hybrid and self._running())
+    @rule(pages=st.integers(1, 3), data=st.data())
+    def decode_to_page_boundaries(self, pages, data):
+        """The scheduler's hybrid decode: step to each next page boundary and checkpoint there."""
+        rid = data.draw(st.sampled_from(self._running()))
+        model = self.models[rid]
+        for _ in range(pages):
+            self._begin(rid, new=False)
+            if not self._reserve(self.P - model.cursor % self.P, 0, 0, 0, data, fault=False):
+                self.rollback()
+                return
+            self.commit()
+            self._publish(rid, model.cursor, data, checkpoint=True)
+            self.books_balance()
+
     @precondition(lambda self: self.txn is None and self._running())
     @rule(data=st.data())
     def finish(self, data):
@@ -240,8 +254,6 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self._publish(rid, self.models[rid].cursor, data)
         self.coord.release(rid)
         del self.models[rid]
-
-    # ---- outside transactions -------------------------------------------------------
 
     def _running(self) -> list[int]:
         return sorted(rid for rid, m in self.models.items() if not m.paused)
@@ -252,18 +264,21 @@ class CoordinatorMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from([r for r in self._running() if self.models[r].cursor]))
         self._publish(rid, data.draw(st.integers(0, self.models[rid].cursor)), data)
 
-    def _publish(self, rid: int, upto: int, data) -> None:
+    def _publish(self, rid: int, upto: int, data, checkpoint: bool | None = None) -> None:
+        """Publish [0, upto); with a checkpoint where one is allowed, when `checkpoint` or a draw says so."""
         model, req = self.models[rid], self.coord.requests[rid]
         checkpoint = (
             self.spec.hybrid and upto == model.cursor and upto % self.P == 0 and bool(req.state_slots)
-            and data.draw(st.booleans())
+            and (checkpoint or data.draw(st.booleans()))
         )  # fmt: skip
+        rolling = checkpoint and data.draw(st.booleans())
         point = data.draw(st.sampled_from(FAULT_POINTS))
         published_before, before = req.published, canonical(self.coord)
+        own_pin = None if req.held is None else req.held.slot  # publishing deeper lets go of it
         if point is not None:
             self.armed.add(point)
         try:
-            result = self.coord.publish(rid, model.tokens, upto, checkpoint=checkpoint)
+            result = self.coord.publish(rid, model.tokens, upto, checkpoint=checkpoint, rolling=rolling)
         except InjectedFault:
             assert canonical(self.coord) == before, "a failed publish changed something"
             event("publish: failed mid-way")
@@ -283,6 +298,37 @@ class CoordinatorMachine(RuleBasedStateMachine):
             assert op.length == upto and self.slot_tokens[op.src_slot] == tuple(model.tokens[:upto])
             self.slot_tokens[op.dst_slot] = tuple(model.tokens[:upto])
             event("publish: save checkpoint")
+        if checkpoint:
+            pins = {slot: holds - (slot == own_pin) for _, slot, _, holds in before[2]}
+            self._follow_rolling(model, req, before[2], pins, tuple(model.tokens[:upto]), rolling, result.ops)
+
+    def _follow_rolling(self, model: RequestModel, req, before: list, pins: dict, target: tuple, rolling: bool,
+                        ops) -> None:  # fmt: skip
+        """Check a checkpointed publish against the rolling rules; track the request's rolling checkpoint.
+
+        Its rolling checkpoint moves (same slot, new tokens) when it is unpinned and
+        shaped like the request's state; a slot taken from any other checkpoint (an
+        eviction) must have been unpinned too. pins: slot -> readers other than this
+        publish's request, whose own pin the publish drops (its restore ran before it got here).
+        """
+        attached = {slot: (tokens, window) for tokens, slot, window, _ in before}
+        movable = None
+        if model.rolling is not None and model.rolling[0] in attached and target not in {c[0] for c in before}:
+            tokens, window = attached[model.rolling[0]]
+            shaped = (window is not None) == bool(req.window_slots)
+            if tokens == model.rolling[1] and pins[model.rolling[0]] == 0 and shaped:
+                movable = model.rolling[0]
+        for op in ops:
+            if op.dst_slot in attached:
+                assert pins[op.dst_slot] == 0, f"took slot {op.dst_slot} from a pinned checkpoint"
+                event("publish: rolling checkpoint moved" if op.dst_slot == movable else "publish: slot evicted")
+        if movable is not None:
+            assert [op.dst_slot for op in ops] == [movable], f"the rolling checkpoint in slot {movable} did not move"
+        already_here = not ops and model.rolling is not None and model.rolling[1] == target
+        if rolling and ops:
+            model.rolling = (ops[0].dst_slot, target)
+        elif not rolling and (movable is not None or already_here):
+            model.rolling = None  # published for good: moved here, or it was here already
 
     @precondition(lambda self: self.txn is None and self.models)
     @rule(data=st.data())
@@ -309,11 +355,27 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.coord.flush()
         assert self.coord.tree.evictable_pages == 0 and self.coord.tree.evictable_checkpoints == 0
 
-    # ---- invariants -----------------------------------------------------------------
-
     @invariant()
     def books_balance(self):
         self.coord.check_integrity(allow_open_transaction=self.txn is not None)
+
+    @invariant()
+    def rolling_checkpoints_followed(self):
+        """Forget a rolling checkpoint once evicted, so a new one at its tokens is not taken for it."""
+        checkpoints = {(c[0], c[1]) for c in canonical(self.coord)[2]}
+        for model in self.models.values():
+            if model.rolling is not None and (model.rolling[1], model.rolling[0]) not in checkpoints:
+                model.rolling = None
+
+    @invariant()
+    def pinned_checkpoints_keep_their_state(self):
+        """A checkpoint a commit restores from is not overwritten (moved, reused) while it is pinned."""
+        for rid, (slot, tokens) in list(self.restoring.items()):
+            req = self.coord.requests.get(rid)
+            if req is None or req.held is None:
+                del self.restoring[rid]  # unpinned: its copy ran before the request moved on
+                continue
+            assert self.slot_tokens[slot] == tokens, f"request {rid} restores from slot {slot}, since overwritten"
 
     @invariant()
     def running_requests_keep_their_kv(self):

@@ -548,7 +548,8 @@ class TierCoordinatorMachine(RuleBasedStateMachine):
         req = self.coord.requests[rid]
         checkpoint = (self.spec.hybrid and upto == req.cursor and upto % self.P == 0 and bool(req.state_slots)
                       and data.draw(st.booleans()))  # fmt: skip
-        published = self.coord.publish(rid, self.tokens[rid], upto, checkpoint=checkpoint)
+        rolling = checkpoint and data.draw(st.booleans())  # a held rolling checkpoint must stay (see the invariant)
+        published = self.coord.publish(rid, self.tokens[rid], upto, checkpoint=checkpoint, rolling=rolling)
         if published.inserted_tokens:
             self.history.append(tuple(self.tokens[rid][:upto]))
 
@@ -610,7 +611,7 @@ class TierCoordinatorMachine(RuleBasedStateMachine):
             assert hold.node.in_tree, f"held node {hold.node.node_id} was evicted"
             assert tuple(self.coord.tree.path_pages(hold.node, hold.length)) == hold.pages, "held pages changed"
             if hold.checkpoint is not None:
-                assert hold.node.checkpoint is hold.checkpoint, "a held checkpoint was evicted"
+                assert hold.node.checkpoint is hold.checkpoint, "a held checkpoint was evicted or moved"
 
     def teardown(self):
         if self.txn is not None and self.txn.open:

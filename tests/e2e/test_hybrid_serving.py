@@ -1,5 +1,6 @@
 """The default model (tiny-hybrid, Gated DeltaNet + gated attention) served end to end
-equals transformers' Qwen3_5ForCausalLM on the same checkpoint (greedy, margin-aware)."""
+equals transformers' Qwen3_5ForCausalLM on the same checkpoint (greedy, margin-aware),
+and a long decode leaves its checkpoints sparse."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from hkv.models.tiny import ensure_builtin
 from tests.e2e.harness import assert_clean, launch
+from tests.e2e.test_prefix_cache import _body, _complete, inspect_json
 from tests.reference import assert_greedy_parity
 
 pytestmark = pytest.mark.e2e
@@ -46,3 +48,31 @@ def test_tiny_hybrid_concurrent_greedy_matches_transformers(tmp_path, builtin_di
     for prompt, output in zip(prompts, outputs):
         assert len(output) == 16
         assert_greedy_parity(reference, prompt, output)
+
+
+def test_a_long_decode_leaves_one_checkpoint_besides_the_prompts(tmp_path):
+    """Issue 10, acceptance 2: decoding keeps one rolling checkpoint, not one per page.
+
+        tokens  [0 ..... 32)[32 .. 36)[36 ...................... 224)[224 .. 236)
+                 prompt ckpt            decode: the rolling one moves     finish: left at 224
+
+    (Before: 13 checkpoints, one at every page boundary from 32 to 224.)
+    """
+    page, interval = 16, 256  # interval: the default, 16 pages
+    server = launch(["--page-size", str(page)], tmp_path)
+    pids = server.actor_pids()
+    rng = random.Random(2)
+    prompt = [rng.randrange(3, 1536) for _ in range(36)]
+    try:
+        answer = _complete(server.url, _body(prompt, 200))["choices"][0]["token_ids"]
+        report = inspect_json(server.name)
+        turn = _complete(server.url, _body(prompt + answer + [5, 6, 7], 4))
+    finally:
+        assert server.stop(signal.SIGTERM) == 0, server.log()
+    assert_clean(server, pids)
+    computed = len(prompt) + len(answer) - 1  # the last sampled token never ran
+    depths = sorted(node["tokens"] for node in report["radix"]["checkpoint_nodes"])
+    assert report["radix"]["checkpoints"] == len(depths) <= computed // interval + 2
+    assert depths == [32, computed // page * page]  # the prompt's last page boundary and the finish's
+    # the next turn hits the finish's checkpoint: multi-turn reuse is unchanged
+    assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] == computed // page * page

@@ -256,3 +256,40 @@ def test_preemption_with_prefix_cache_resumes_from_published_pages():
     assert all(len(v) == 8 for v in produced.values())
     resumed = [c for p in plans for c in p.chunks if c.start_pos > 0 and p.new and c.slot == p.new[0].slot]
     assert resumed, "a preempted sequence should resume from its cached prefix"
+
+
+def checkpoint_slots(sched):
+    """{depth: state slot} of every checkpoint in the tree."""
+    return {n.depth: n.checkpoint.slot for n in sched.coord.tree.nodes() if n.checkpoint is not None}
+
+
+def test_hybrid_decode_moves_one_rolling_checkpoint_and_keeps_interval_ones():
+    sched = make(prefix_cache=True, budget=64, hybrid=True, interval=16, state_slots=8, num_pages=32)
+    sched.add(req(1, 6, max_tokens=20))
+    plans, _ = run_to_end(sched, token_for=lambda s: 40)  # computes 6 + 19 tokens
+    saves = [(op.length, op.dst_slot) for p in plans for op in p.ops]
+    # the prompt's 4 and the interval's 16 stay; 8 and 20 start a rolling one that moves on a page
+    assert saves == [(4, 1), (8, 2), (12, 2), (16, 2), (20, 3), (24, 3)]
+    assert all(op.src_slot == plans[0].new[0].state_slot == 0 for p in plans for op in p.ops)
+    assert checkpoint_slots(sched) == {4: 1, 16: 2, 24: 3}
+    sched.add(GenerateRequest(2, list(range(1, 7)) + [40] * 20 + [70], SamplingParams(max_tokens=1)))
+    plan = sched.schedule()
+    assert plan.chunks[0].start_pos == 24  # the next turn hits the finish's checkpoint
+    assert [(op.src_slot, op.length) for op in plan.ops] == [(3, 24)]
+
+
+def test_hybrid_preemption_resumes_from_the_rolling_checkpoint():
+    sched = make(num_pages=8, page_size=4, budget=64, max_running=2, prefix_cache=True, hybrid=True,
+                 interval=64, state_slots=8)  # fmt: skip
+    sched.add(req(1, 6, max_tokens=14))
+    sched.add(req(2, 5, max_tokens=14))
+    plans, deltas = run_to_end(sched, token_for=lambda s: 50 + s)
+    assert sched.preemptions == 1
+    assert sorted(len([t for d in deltas if d.req_id == r for t in d.token_ids]) for r in (1, 2)) == [14, 14]
+    ops = [(type(op).__name__, op.src_slot, op.dst_slot, op.length) for p in plans for op in p.ops]
+    # request 2 (live slot 1) rolls slot 4 through 8 and 12, is preempted at 13, resumes in live slot 0
+    # from slot 4 at 12, and moves it on to 16 (its resumed pin went when it published deeper)
+    assert [op for op in ops if op[2] == 4 or op[1] == 4] == [
+        ("SaveCheckpoint", 1, 4, 8), ("SaveCheckpoint", 1, 4, 12), ("RestoreCheckpoint", 4, 0, 12),
+        ("SaveCheckpoint", 0, 4, 16),
+    ]  # fmt: skip
