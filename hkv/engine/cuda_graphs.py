@@ -58,7 +58,8 @@ class DecodeGraphs:
         self.layout: dict[str, tuple[int, int]] = StepArena.layout_of(fields)
         end = max(off + n for off, n in self.layout.values())
         self.arena: StepArena = StepArena(end, kv.k.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # bucket -> its graph; None off CUDA (tests: the same buffers and padding, replayed eagerly)
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self.batches: dict[int, ForwardBatch] = {}
         # every bucket's graph copies its logits here: one buffer, not one per bucket
         self.logits: torch.Tensor = torch.empty(max_bs, model.cfg.vocab_size, dtype=torch.float32, device=kv.k.device)
@@ -102,7 +103,7 @@ class DecodeGraphs:
 
     def _static_batch(self, b: int, views: dict[str, torch.Tensor]) -> ForwardBatch:
         sliced = {name: view[: b + 1] if name == "cu_seqlens" else view[:b] for name, view in views.items()
-                  if not name.startswith("table_")}
+                  if name not in ("table_idx", "table_val")}
         return ForwardBatch(
             input_ids=sliced["input_ids"], positions=sliced["positions"], slot_mapping=sliced["slot_mapping"],
             logits_indices=sliced["logits_indices"], page_table=self.pages.table,
@@ -113,6 +114,9 @@ class DecodeGraphs:
     def _capture(self, b: int) -> None:
         views = self.arena.pack(self._padded(None, b), self.layout)
         batch = self._static_batch(b, views)
+        if self.arena.device.type != "cuda":
+            self.graphs[b], self.batches[b] = None, batch
+            return
         with torch.inference_mode():
             self.model(batch, self.kv, self.state)  # compile and warm every kernel outside the capture
             torch.cuda.synchronize()
@@ -139,5 +143,9 @@ class DecodeGraphs:
         views = self.arena.pack(arrays, self.layout)
         if fits:
             self.pages.apply(views["table_idx"][: len(idx)], views["table_val"][: len(vals)])
-        self.graphs[b].replay()
+        graph = self.graphs[b]
+        if graph is None:
+            self.logits[:b].copy_(self.model(self.batches[b], self.kv, self.state))
+        else:
+            graph.replay()
         return self.logits[:n]

@@ -36,7 +36,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, kv, state, table: RequestTable, page_size: int, device: str,
                  host=None, scratch: tuple[int, int | None] | None = None, max_tokens: int = 0,
-                 graph_max_bs: int = 0):
+                 graph_max_bs: int = 0, device_metadata: bool | None = None):
         self.model = model
         self.host = host  # HostPool: the CPU tier's shm entries (pinned on CUDA), None without tiers
         self.kv = kv  # KVPool: K/V pages of the full-attention layers
@@ -51,7 +51,8 @@ class ModelRunner:
         self.pages: DevicePageTable | None = None  # CUDA: page ids mirrored on the device
         self.arena: StepArena | None = None  # CUDA: the eager steps' metadata buffer
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda":
+        # the CUDA path's arena, mirrored page table and decode buckets; tests also take it on CPU
+        if self.device.type == "cuda" if device_metadata is None else device_metadata:
             self._init_cuda(scratch, max_tokens, graph_max_bs)
 
     def _init_cuda(self, scratch: tuple[int, int | None] | None, max_tokens: int, graph_max_bs: int) -> None:
