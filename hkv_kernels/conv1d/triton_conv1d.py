@@ -79,6 +79,38 @@ def _conv_state_kernel(
     tl.store(state_ptr + dst * stride_ss + c[:, None] * stride_sc + m[None, :], val.to(state_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _conv_decode_kernel(
+    x_ptr, state_ptr, w_ptr, bias_ptr, o_ptr, q_start_ptr, slot_ptr, num_channels, stride_xt, stride_ot,
+    stride_ss, stride_sc, stride_wc,
+    KSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One new token per sequence: output and state shift in one pass (each program its own channels)."""
+    seq = tl.program_id(0)
+    row = tl.load(q_start_ptr + seq).to(tl.int64)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
+    m = tl.arange(0, BLOCK_K)  # [BK] state columns, oldest first
+    c_mask = c < num_channels
+    s_mask = c_mask[:, None] & (m < KSIZE - 1)[None, :]
+    s_ptrs = state_ptr + slot * stride_ss + c[:, None] * stride_sc + m[None, :]
+    old = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)  # [BC, BK]
+    xv = tl.load(x_ptr + row * stride_xt + c, mask=c_mask, other=0.0).to(tl.float32)  # [BC]
+    w_old = tl.load(w_ptr + c[:, None] * stride_wc + m[None, :], mask=s_mask, other=0.0).to(tl.float32)
+    w_new = tl.load(w_ptr + c * stride_wc + (KSIZE - 1), mask=c_mask, other=0.0).to(tl.float32)
+    acc = tl.sum(old * w_old, 1) + xv * w_new  # [BC]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(o_ptr + row * stride_ot + c, acc.to(o_ptr.dtype.element_ty), mask=c_mask)
+    # shift left by one and append the new input: column m takes old column m + 1, the last takes x
+    nxt = tl.load(s_ptrs + 1, mask=c_mask[:, None] & (m < KSIZE - 2)[None, :], other=0.0).to(tl.float32)
+    new = tl.where((m == KSIZE - 2)[None, :], xv[:, None], nxt)
+    tl.debug_barrier()  # every load of the old state precedes the first store
+    tl.store(s_ptrs, new.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
 def causal_conv1d(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -109,6 +141,16 @@ def causal_conv1d(
     out = torch.empty(num_tokens, num_channels, dtype=x.dtype, device=x.device) if out is None else out
     num_blocks = meta.conv_block_seq.numel()
     if num_tokens == 0 or num_blocks == 0:
+        return out
+    if meta.max_q_len == 1 and keep_slots is None and num_tokens == meta.num_seqs:
+        # decode: one fused pass instead of a 16-token block per sequence and a second launch
+        block_c = 256
+        _conv_decode_kernel[(meta.num_seqs, triton.cdiv(num_channels, block_c))](
+            x, conv_state, weight, bias if bias is not None else weight, out, meta.q_start, slots, num_channels,
+            x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0),
+            KSIZE=ksize, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_C=block_c,
+            BLOCK_K=next_pow2(ksize - 1), num_warps=4,
+        )
         return out
     block_c = 128
     _conv_out_kernel[(num_blocks, triton.cdiv(num_channels, block_c))](

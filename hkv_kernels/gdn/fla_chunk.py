@@ -13,6 +13,8 @@ import torch
 
 from hkv_kernels.meta import KernelMeta
 
+FLA_CHUNK = 64  # fla-core's chunk size: in-chunk states exist at multiples of it
+
 
 # the answer cannot change within a process, and a failed import is retried on every call otherwise
 @functools.cache
@@ -60,3 +62,51 @@ def gated_delta_rule_chunked(
     )
     state.index_copy_(0, slot_idx, final.to(state.dtype))
     return out[0].to(q.dtype)
+
+
+def _chunked_with_states(q, k, v, g, beta, initial, scale, meta: KernelMeta):
+    """fla-core's chunk forward (ChunkGatedDeltaRuleFunction.forward with the qk l2norm in the
+    kernel), step by step, so its per-chunk states come back too.
+
+    Returns (out [1, T, Hv, Dv], final states [B, Hv, Dk, Dv] fp32, h [1, NT, Hv, Dk, Dv]): h[0, i]
+    is the state *before* chunk i (64 tokens each, numbered across sequences in batch order).
+    """
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    varlen = meta.num_seqs > 1
+    cu = meta.cu_seqlens if varlen else None
+    indices = prepare_chunk_indices(cu, FLA_CHUNK, cu_seqlens_cpu=meta.cu_seqlens_host) if varlen else None
+    q, _ = l2norm_fwd(q)
+    k, _ = l2norm_fwd(k)
+    g = chunk_local_cumsum(g, chunk_size=FLA_CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=indices)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, cu_seqlens=cu, chunk_size=FLA_CHUNK,
+                                               chunk_indices=indices)
+    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=initial,
+                                                   output_final_state=True, chunk_size=FLA_CHUNK, cu_seqlens=cu,
+                                                   chunk_indices=indices)
+    out = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu, chunk_size=FLA_CHUNK,
+                      chunk_indices=indices)
+    return out, final, h
+
+
+def chunk_states(h: torch.Tensor, meta: KernelMeta, seqs: list[int], tokens: list[int]) -> torch.Tensor:
+    """The recurrent states after `tokens[i]` tokens of sequence `seqs[i]` (multiples of 64, inside
+    the sequence's chunk) from _chunked_with_states' h: [N, Hv, Dk, Dv] fp32."""
+    lens = (meta.cu_seqlens_host[1:] - meta.cu_seqlens_host[:-1]).tolist()
+    first, acc = [], 0
+    for n in lens:
+        first.append(acc)
+        acc += -(-n // FLA_CHUNK)
+    rows = []
+    for b, t in zip(seqs, tokens):
+        if t % FLA_CHUNK or not 0 < t < lens[b]:
+            raise ValueError(f"in-chunk checkpoint after {t} of {lens[b]} tokens: not a 64-token chunk boundary")
+        rows.append(first[b] + t // FLA_CHUNK)
+    index = torch.tensor(rows, dtype=torch.long).to(h.device, non_blocking=True)
+    return h[0].index_select(0, index).float()

@@ -107,6 +107,127 @@ def _paged_attention_kernel(
     tl.store(o_ptr + o_rows[:, None] + d[None, :], out, mask=row_mask[:, None] & d_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["stride_pt"])
+def _paged_decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, part_o_ptr, part_ml_ptr, page_table_ptr, table_row_ptr, q_start_ptr, kv_len_ptr,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt, qk_scale,
+    num_seqs, q_heads,
+    SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Decode (one query per sequence): split `split` of the sequence's keys, partial softmax state out."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(kv_len_ptr + seq)
+    q_row = tl.load(q_start_ptr + seq).to(tl.int64)
+    r = tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + r
+    row_mask = r < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + q_row * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + kv_len - 1
+    per = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), SPLITS) * BLOCK_N  # keys per split, whole blocks
+    lo = split * per
+    hi = tl.minimum(lo + per, kv_len)
+    full_end = tl.maximum(lo, tl.minimum(hi, (kv_len // BLOCK_N) * BLOCK_N))
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    pages_ptr = page_table_ptr + tl.load(table_row_ptr + seq).to(tl.int64) * stride_pt
+    for start in range(lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _attn_block(
+            acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, hi, q_pos, kv_head * stride_kh, kv_head * stride_vh,
+            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, False, PAGE_SIZE, BLOCK_N, PRECISION,
+        )
+    for start in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _attn_block(
+            acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, hi, q_pos, kv_head * stride_kh, kv_head * stride_vh,
+            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, True, PAGE_SIZE, BLOCK_N, PRECISION,
+        )
+    # partials laid out [seq, split, q head, ...]; an empty split leaves m = -1e30, l = 0
+    part = (seq.to(tl.int64) * SPLITS + split) * q_heads + head  # [BM]
+    tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(part_ml_ptr + part, m_i, mask=row_mask)
+    tl.store(part_ml_ptr + num_seqs * SPLITS * q_heads + part, l_i, mask=row_mask)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    part_o_ptr, part_ml_ptr, o_ptr, gate_ptr, q_start_ptr, stride_ot, stride_oh, stride_gt, stride_gh,
+    num_seqs, q_heads, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GATE: tl.constexpr,
+):
+    """Combine a query head's split partials (exp2 units) into its output row."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(q_start_ptr + seq).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    base = seq.to(tl.int64) * SPLITS * q_heads + head
+    l_off = num_seqs * SPLITS * q_heads
+    m_tot = -1.0e30
+    for s in tl.static_range(SPLITS):
+        m_tot = tl.maximum(m_tot, tl.load(part_ml_ptr + base + s * q_heads))
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    l_tot = 0.0
+    for s in tl.static_range(SPLITS):
+        w = tl.exp2(tl.load(part_ml_ptr + base + s * q_heads) - m_tot)
+        l_tot += w * tl.load(part_ml_ptr + l_off + base + s * q_heads)
+        acc += w * tl.load(part_o_ptr + (base + s * q_heads) * HEAD_DIM + d, mask=d_mask, other=0.0)
+    l_tot = tl.where(l_tot == 0.0, 1.0, l_tot)
+    out = (acc / l_tot).to(o_ptr.dtype.element_ty)
+    if GATE:
+        gate = tl.load(gate_ptr + q_row * stride_gt + head * stride_gh + d, mask=d_mask, other=0.0)
+        sig = tl.sigmoid(gate.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) * sig.to(tl.float32)).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + q_row * stride_ot + head * stride_oh + d, out, mask=d_mask)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def decode_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
+    """Key splits per (sequence, KV head) of a decode step: enough programs for ~4 per SM, at most 16."""
+    if device.type != "cuda":
+        return 3  # the interpreter: a few splits, some empty, exercise the reduction
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(16, -(-4 * _SM_COUNT[index] // max(1, num_seqs * kv_heads))))
+
+
+def launch_paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
+    scale: float, out: torch.Tensor, gate: torch.Tensor | None = None, block_n: int = 64,
+) -> torch.Tensor:
+    """Decode launcher (every sequence has one new token): keys split across programs, then reduced."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    num_seqs = meta.num_seqs
+    splits = decode_splits(num_seqs, num_kv_heads, q.device)
+    part_o = torch.empty(num_seqs, splits, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(2, num_seqs, splits, num_q_heads, dtype=torch.float32, device=q.device)
+    block_m = max(16, next_pow2(group))
+    _paged_decode_split_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, part_o, part_ml, page_table, meta.table_rows, meta.q_start, meta.kv_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0), scale * _LOG2E,
+        num_seqs, num_q_heads,
+        SPLITS=splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=3,
+    )
+    gated = gate is not None
+    _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
+        part_o, part_ml, out, gate if gated else out, meta.q_start, out.stride(0), out.stride(1),
+        gate.stride(0) if gated else 0, gate.stride(1) if gated else 0, num_seqs, num_q_heads,
+        SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), GATE=gated, num_warps=1,
+    )
+    return out
+
+
 def launch_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
     scale: float, out: torch.Tensor, gate: torch.Tensor | None = None, tile: tuple[int, int, int, int] | None = None,
@@ -160,4 +281,6 @@ def paged_attention(
     """
     if out is None:
         out = torch.empty_like(q)
+    if meta.max_q_len == 1 and q.shape[0] == meta.num_seqs and meta.num_seqs:
+        return launch_paged_decode(q, k_cache, v_cache, page_table, meta, scale, out, gate)
     return launch_paged_attention(q, k_cache, v_cache, page_table, meta, scale, out, gate)

@@ -127,3 +127,24 @@ def test_recurrent_with_raw_gates(device, dtype):
                                      gate_params=(a_log, dt_bias))
     assert_close(got, ref, dtype)
     assert_close(state, ref_state, dtype, "state")
+
+
+@pytest.mark.parametrize("device,dtype", cases())
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_split_decode_attention(device, dtype, gated):
+    """Decode steps split every sequence's keys across programs and reduce: short, long, page-crossing."""
+    gen = torch.Generator().manual_seed(8)
+    kv_lens = [1, 5, 17, 64, 130, 300]
+    page_size, pages = 16, 128
+    k, v = (_randn(pages, page_size, 2, 16, device=device, dtype=dtype, gen=gen) for _ in range(2))
+    table = torch.randperm(pages, generator=gen)[: 6 * 20].view(6, 20).to(device)
+    rows = [5, 0, 3, 1, 4, 2]
+    q = _randn(6, 8, 16, device=device, dtype=dtype, gen=gen)
+    gate = _randn(6, 8, 16, device=device, dtype=dtype, gen=gen) if gated else None
+    meta = build_meta([1] * 6, kv_lens, device, 4, 16, dtype, table_rows=rows)
+    got = paged_attention(q, k, v, table, meta, 0.25, gate=gate)
+    ref = paged_attention_ref(q.float().cpu(), k.float().cpu(), v.float().cpu(), table.cpu()[rows], [1] * 6,
+                              kv_lens, 0.25)
+    if gated:
+        ref = ref * torch.sigmoid(gate.float().cpu())
+    assert_close(got, ref, dtype)

@@ -75,3 +75,30 @@ def test_fla_chunk_matches_reference(dtype):
     # fla computes its chunk products in the input dtype and tf32 for fp32 inputs
     tol = max(REL_TOL[dtype], 2e-3)
     assert rel_err(out, ref) < tol and rel_err(state, ref_state) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.skipif(HAS_CUDA and not fla_available(), reason="fla-core not installed")
+def test_fla_chunk_states_are_the_states_at_chunk_boundaries():
+    """The per-chunk states fla's forward materializes are the recurrent states after 64, 128, ...
+    tokens (issue 12's in-chunk checkpoints), and the step-by-step forward is fla's own."""
+    from hkv_kernels.gdn.fla_chunk import _chunked_with_states, chunk_states
+
+    dtype = torch.bfloat16
+    q_lens, slots = [200, 129], [3, 0]
+    q, k, v, g, beta, state = _inputs("cuda", dtype, sum(q_lens), (4, 8, 128, 128), 6, seed=9)
+    meta = build_meta(q_lens, q_lens, "cuda", 1, 64, dtype)
+    initial = state.index_select(0, torch.tensor(slots, device="cuda"))
+    out, final, h = _chunked_with_states(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None],
+                                         g.float().contiguous()[None], beta.contiguous()[None], initial,
+                                         q.shape[-1] ** -0.5, meta)
+    ref_state = state.clone()
+    ref_out = gated_delta_rule_chunked(q, k, v, g, beta, ref_state, torch.tensor(slots, device="cuda"), meta)
+    assert rel_err(out[0], ref_out) < 1e-3 and rel_err(final, ref_state[slots]) < 1e-3
+    got = chunk_states(h, meta, [0, 0, 0, 1, 1], [64, 128, 192, 64, 128])
+    for i, (b, t) in enumerate([(0, 64), (0, 128), (0, 192), (1, 64), (1, 128)]):
+        start = sum(q_lens[:b])
+        _, want = _ref(q[start : start + t], k[start : start + t], v[start : start + t], g[start : start + t],
+                       beta[start : start + t], state, [t], [slots[b]])
+        assert rel_err(got[i], want[slots[b]]) < 2e-2, (b, t)
