@@ -1,0 +1,72 @@
+"""Issue 11: `hkv-bench --small` against a real CPU server on tiny-hybrid reports every metric, sanely.
+
+The bench runs as a real subprocess: the console script beside this Python,
+or `python -m tools.hkv_bench` where the editable install predates the entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import assert_clean, launch
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = Path(sys.executable).with_name("hkv-bench")
+# --small: 2 groups x 4 prompts of 256 system + 16 question tokens, 8 output tokens each
+REQUESTS, PROMPT_LEN, OUTPUT_LEN = 8, 272, 8
+IDEAL_RATE = 6 * 256 / (REQUESTS * PROMPT_LEN)
+
+
+def _bench_command() -> list[str]:
+    return [str(BENCH)] if BENCH.exists() else [sys.executable, "-m", "tools.hkv_bench"]
+
+
+def _run_small(tmp_path: Path) -> dict:
+    """hkv-bench --small against a fresh tiny-hybrid server; its JSON report (the table is printed)."""
+    server = launch(["--model", "tiny-hybrid"], tmp_path)
+    pids = server.actor_pids()
+    out = tmp_path / "bench.json"
+    try:
+        proc = subprocess.run([*_bench_command(), "--small", "--url", server.url, "--json", str(out),
+                               "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{server.log()}"
+    finally:
+        code = server.stop(signal.SIGTERM)
+    assert code == 0, server.log()
+    assert_clean(server, pids)
+    print(proc.stdout)
+    assert "hit rate measured / ideal" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def test_small_run_reports_every_metric(tmp_path):
+    report = _run_small(tmp_path)
+    assert report["requests"] == {"sent": REQUESTS, "completed": REQUESTS, "failed": 0, "first_error": None,
+                                  "output_tokens": REQUESTS * OUTPUT_LEN,
+                                  "expected_output_tokens": REQUESTS * OUTPUT_LEN}
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = report["latency"][key]
+        assert 0 < stats["median"] <= stats["p99"] and stats["mean"] > 0, key
+    tput = report["throughput"]
+    assert all(tput[k] > 0 for k in ("duration_s", "requests_per_s", "input_tokens_per_s", "output_tokens_per_s",
+                                     "total_tokens_per_s"))
+
+    cache = report["cache"]
+    assert cache["prompt_tokens"] == REQUESTS * PROMPT_LEN
+    assert cache["ideal_rate"] == pytest.approx(IDEAL_RATE)
+    assert 0 <= cache["measured_rate"] <= cache["ideal_rate"] + 1e-9
+    assert set(cache["per_tier"]) == {"gpu", "cpu", "disk", "peer"}
+    assert sum(t["tokens"] for t in cache["per_tier"].values()) == cache["cached_tokens"]
+
+    server = report["server"]
+    assert server["steps"] > 0 and 0 < server["forward_seconds_mean"] <= server["step_seconds_mean"]
+    assert server["generation_tokens"] == REQUESTS * OUTPUT_LEN
+    assert server["cache_hit_tokens"]["gpu"] == cache["per_tier"]["gpu"]["tokens"]
+    assert report["speculative"] is None and report["baseline"] is None
