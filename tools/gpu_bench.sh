@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# One device call for the served numbers of issues 11, 12 and 13 on the benchmark model
+# (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
+#   run: bash tools/gpu_bench.sh [parts, default decode,i11,i12,i13]
+# Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
+set -uo pipefail
+OUT=${OUT:-.out}
+mkdir -p "$OUT"
+parts=${1:-decode,i11,i12,i13}
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+MODEL=${BENCH_MODEL:-/tmp/bench_model}  # made here unless it exists
+DEVICE=${DEVICE:-cuda}
+# SMOKE=1: the same script at toy sizes on a CPU server (checks the script itself, not hkv)
+if [[ -n ${SMOKE:-} ]]; then IN=64 GEN=4 LONG=600 LEVELS="1 4" VOCAB=1536 MEM=(); else
+  IN=512 GEN=128 LONG=30000 LEVELS="1 32 64" VOCAB=151936 MEM=(--gpu-memory-fraction 0.8); fi
+LOG="$OUT/gpu_bench.log"
+PORT=8100
+SERVER_PID=
+wants() { [[ ,$parts, == *,$1,* ]]; }
+say() { echo "== $*" | tee -a "$LOG"; }
+
+start() {  # start NAME [flags...]: a server on $PORT, waits for /ready
+  local name=$1; shift
+  python3 -c 'from hkv.launcher import main; main()' --model "$MODEL" --device "$DEVICE" --port "$PORT" --name "$name" \
+    "$@" >"/tmp/$name.out" 2>"/tmp/$name.err" &
+  SERVER_PID=$!
+  for _ in $(seq 1 240); do
+    curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && { grep -h "KV pool\|CUDA graphs\|serving" \
+      "/tmp/$name.err" "/tmp/$name.out" | tee -a "$LOG"; return 0; }
+    kill -0 "$SERVER_PID" 2>/dev/null || break
+    sleep 0.5
+  done
+  say "server $name did not start"; tail -30 "/tmp/$name.err" | tee -a "$LOG"; return 1
+}
+
+stop() {
+  [[ -n $SERVER_PID ]] && kill -TERM "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
+  SERVER_PID=
+}
+
+bench() {  # bench TAG [hkv-bench flags...]
+  local tag=$1; shift
+  timeout 240 python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --vocab "$VOCAB" --no-progress \
+    --json "/tmp/res_$tag.json" "$@" 2>&1 | tail -22 | sed "s/^/[$tag] /" | tee -a "$LOG"
+}
+
+merge() {  # merge PART: every /tmp/res_<PART>_*.json into $OUT/<PART>.json
+  python3 - "$1" "$OUT" <<'EOF'
+import glob, json, os, sys
+part, out = sys.argv[1], sys.argv[2]
+doc = {os.path.basename(p)[4:-5]: json.load(open(p)) for p in sorted(glob.glob(f"/tmp/res_{part}_*.json"))}
+json.dump(doc, open(f"{out}/{part}.json", "w"), indent=1)
+EOF
+}
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
+if wants decode; then
+  say "in-process decode step"
+  timeout 200 python3 -m tools.bench_decode --profile --json "$OUT/decode.json" 2>&1 | grep -v Warning | tee -a "$LOG"
+fi
+[[ -d $MODEL ]] || timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
+if wants i11 || wants i12; then
+  say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
+  start s_default --max-running-requests 64 "${MEM[@]}" && {
+    if wants i11; then
+      for c in $LEVELS; do
+        n=$((c == 1 ? 4 : 2 * c))
+        extra=(); [[ $c == 64 ]] && extra=(--baseline hf --model-path "$MODEL" --baseline-num-prompts 64)
+        bench "i11_c$c" --workload random --input-len "$IN" --range-ratio 1 --output-len "$GEN" --num-prompts $n \
+          --concurrency $c --warmup 2 "${extra[@]}"
+      done
+      bench i11_prefix_cache --workload shared-prefix --groups 1 --prompts-per-group 32 --system-len 2048 \
+        --question-len 128 --output-len 32 --concurrency 32 --warmup 0
+    fi
+    wants i12 && bench i12_default --workload random --input-len "$LONG" --range-ratio 1 --output-len 2 \
+      --num-prompts 2 --concurrency 1 --warmup 1
+    stop
+  }
+  say "server: --no-prefix-cache"
+  start s_nocache --max-running-requests 64 --no-prefix-cache && {
+    wants i11 && bench i11_no_prefix_cache --workload shared-prefix --groups 1 --prompts-per-group 32 \
+      --system-len 2048 --question-len 128 --output-len 32 --concurrency 32 --warmup 0
+    wants i12 && bench i12_nocache --workload random --input-len "$LONG" --range-ratio 1 --output-len 2 \
+      --num-prompts 2 --concurrency 1 --warmup 1
+    wants i13 && [[ -f tools/bench_tier_coverage.py ]] && timeout 200 python3 -m tools.bench_tier_coverage \
+      --url "http://127.0.0.1:$PORT" --json /tmp/res_i13_nocache.json 2>&1 | tail -12 | tee -a "$LOG"
+    stop
+  }
+  merge i11
+fi
+if wants i12; then
+  say "server: --checkpoint-interval 32768"
+  start s_interval --max-running-requests 64 --checkpoint-interval 32768 && {
+    bench i12_interval32768 --workload random --input-len "$LONG" --range-ratio 1 --output-len 2 --num-prompts 2 \
+      --concurrency 1 --warmup 1
+    stop
+  }
+  merge i12
+fi
+if wants i13 && [[ -f tools/bench_tier_coverage.py ]]; then
+  say "server: --cpu-cache-gb 16 --max-total-tokens 24576"
+  start s_tiers --max-running-requests 64 --cpu-cache-gb 16 --max-total-tokens 24576 && {
+    timeout 240 python3 -m tools.bench_tier_coverage --url "http://127.0.0.1:$PORT" \
+      --json /tmp/res_i13_tiers.json 2>&1 | tail -20 | tee -a "$LOG"
+    stop
+  }
+  merge i13
+fi
+stop
+exit 0
