@@ -36,9 +36,6 @@ def cached(coord, rid, tokens, **kw):
     return result
 
 
-# ---- extend -------------------------------------------------------------------------------------
-
-
 def test_extend_grows_a_dense_hit_with_fresh_pages():
     coord = dense()
     cached(coord, 1, [1, 2, 3, 4, 5, 6])  # pages 0, 1, 2
@@ -229,9 +226,6 @@ def test_extend_on_a_checkpoint_hit_still_saves_a_checkpoint_on_publish():
     assert isinstance(save, SaveCheckpoint) and save.length == 6 and published.inserted_tokens == 2
 
 
-# ---- hold / unhold ---------------------------------------------------------------------------
-
-
 def test_hold_locks_the_published_path_and_outlives_the_request():
     coord = dense(pages=4)
     run(coord, 1, [1, 2, 3, 4, 5])
@@ -359,9 +353,6 @@ def test_check_integrity_counts_holds_as_locks():
         coord.check_integrity()
 
 
-# ---- peek ------------------------------------------------------------------------------------------
-
-
 def test_peek_is_the_match_length_without_locking_or_touching():
     coord = dense(pages=4)
     cached(coord, 1, [1, 1, 1, 1])  # older leaf
@@ -396,8 +387,6 @@ def test_peek_with_the_prefix_cache_off_is_zero():
     run(coord, 1, [1, 2, 3, 4])
     assert coord.peek([1, 2, 3, 4, 5]) == 0
 
-
-# ---- random sequences with extend and holds --------------------------------------------------------
 
 TOKENS = st.integers(0, 2)
 MAX_REQUESTS = 3
