@@ -189,13 +189,18 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def decode_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
-    """Key splits per (sequence, KV head) of a decode step: enough programs for ~4 per SM, at most 16."""
+    """Key splits per (sequence, KV head) of a decode step: enough programs for ~4 per SM, at most 16;
+    1 (no split: the one-pass kernel) once sequences x KV heads alone give two programs per SM
+    (the H200 sweep: B64 x 8 KV heads ran at 94% of copy bandwidth unsplit, 84% split in two)."""
     if device.type != "cuda":
         return 3  # the interpreter: a few splits, some empty, exercise the reduction
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(16, -(-4 * _SM_COUNT[index] // max(1, num_seqs * kv_heads))))
+    programs = max(1, num_seqs * kv_heads)
+    if programs >= 2 * _SM_COUNT[index]:
+        return 1
+    return max(1, min(16, -(-4 * _SM_COUNT[index] // programs)))
 
 
 def launch_paged_decode(
@@ -281,6 +286,7 @@ def paged_attention(
     """
     if out is None:
         out = torch.empty_like(q)
-    if meta.max_q_len == 1 and q.shape[0] == meta.num_seqs and meta.num_seqs:
+    decode = meta.max_q_len == 1 and q.shape[0] == meta.num_seqs and meta.num_seqs
+    if decode and decode_splits(meta.num_seqs, k_cache.shape[2], q.device) > 1:
         return launch_paged_decode(q, k_cache, v_cache, page_table, meta, scale, out, gate)
     return launch_paged_attention(q, k_cache, v_cache, page_table, meta, scale, out, gate)
