@@ -337,6 +337,38 @@ def test_eviction_is_least_recently_used_first(tmp_path):
     tier.check_integrity()
 
 
+def test_eviction_with_known_chains_goes_by_usable_prefix(tmp_path):
+    """Chain A: 0-1-2 (checkpoint after 2); chain B: 3-4 (checkpoint after 3, page 4 beyond it).
+    A file another one needs as its prefix stays; a page past its chain's deepest checkpoint goes first."""
+    tier = tier_at(tmp_path, budget=3 * PLAIN + 2 * STATEFUL)
+    tier.write(key(0), kv(0), None, FP)
+    tier.write(key(1), kv(1), None, key(0))
+    tier.write(key(2), kv(2), st(2), key(1))
+    tier.write(key(3), kv(3), st(3), FP)
+    tier.write(key(4), kv(4), None, key(3))
+    assert tier.coverage() == (5, 4)  # page 4 lies beyond B's checkpoint
+    order = []
+    for new in range(10, 15):
+        tier.write(key(new), kv(new), None)  # unknown chain: ranked by use
+        order += [i for i in range(5) if not tier.contains(key(i)) and i not in order]
+    assert order == [4, 2, 1, 0, 3]
+    tier.check_integrity()
+
+
+def test_a_lookup_teaches_a_reopened_tier_its_chains(tmp_path):
+    tier = tier_at(tmp_path)
+    tier.write(key(0), kv(0), None, FP)
+    tier.write(key(1), kv(1), st(1), key(0))
+    assert tier.coverage() == (2, 2)
+    tier = tier_at(tmp_path)  # a restart: the parents are not in the files
+    assert tier.coverage() == (2, 0)
+    tier.link(key(0), FP)
+    tier.link(key(1), key(0))
+    tier.link(key(9), key(1))  # not on disk: nothing to learn
+    assert tier.coverage() == (2, 2)
+    tier.check_integrity()
+
+
 def test_entry_larger_than_budget_is_refused(tmp_path):
     tier = tier_at(tmp_path, budget=PLAIN)
     assert tier.write(key(0), kv(0), None) is True
