@@ -86,6 +86,7 @@ class Router:
             eos_ids=frozenset(cfg.model.spec.eos_ids),
             hybrid=c.hybrid,
             checkpoint_interval=c.checkpoint_interval,
+            tier_checkpoint_interval=c.tier_checkpoint_interval,
         )
         spec = CacheSpec(c.page_size, c.num_pages, c.state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
         self.coord = CacheCoordinator(spec)

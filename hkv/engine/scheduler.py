@@ -44,6 +44,7 @@ class SchedulerLimits:
     eos_ids: frozenset[int]
     hybrid: bool = False  # the model has linear-attention state (one live slot per sequence)
     checkpoint_interval: int | None = None  # hybrid: prefill chunks end on multiples of this
+    tier_checkpoint_interval: int | None = None  # hybrid with tiers: interior prefixes copied out on multiples of this
 
 
 @dataclass
@@ -404,7 +405,7 @@ class Scheduler:
         if at_page:
             published = self.coord.publish(seq.req_id, seq.all_ids(), end, checkpoint=True)
             self._ops.extend(published.ops)
-            interval = self.limits.checkpoint_interval
+            interval = self.limits.tier_checkpoint_interval  # the tiers keep fewer interior checkpoints
             if end == len(seq.prompt_ids) // ps * ps or (interval and end % interval == 0):
                 self._offload(seq)
 
