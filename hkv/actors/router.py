@@ -258,6 +258,8 @@ class Router:
         doc = {"nodes": tree.num_nodes, "checkpoint_nodes": checkpoints[:RADIX_LIST_MAX],
                "listed_all": len(checkpoints) <= RADIX_LIST_MAX}
         json_block.write(self.radix_block, doc)
+        reachable = tree.pages_under_checkpoints() if self.coord.spec.hybrid else tree.cached_pages
+        self.stats.set_many({"radix_reachable_pages": reachable})
         self._radix_written, self._radix_written_at = counters, now
 
     def record_pools(self) -> None:
