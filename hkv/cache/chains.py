@@ -15,7 +15,11 @@ model, ends at a checkpoint. So a tier gives up keys in this order
    another held key needs as its prefix stays;
 2. on a tier that keeps checkpoints, leaves without one first: pages beyond
    the deepest checkpoint of their chain serve no hit;
-3. then least recently used first (`touch`), ties by the order of use.
+3. then by the use before the last one (LRU-2): a key stored and not hit
+   since goes before any key used again, and keys used again go by their
+   second-to-last use, so a stream of one-time prompts cannot flush the
+   prefixes that keep being hit; among keys used once, least recently used
+   first (`touch` is a use; ties by the order of use).
 
 A key whose parent is unknown (a disk file found at start-up) is ranked by
 use alone. A key whose parent is not held waits for it: when the parent
@@ -36,8 +40,8 @@ from heapq import heapify, heappop, heappush
 class Link:
     """One held key's place in the forest."""
 
-    __slots__ = ("key", "parent", "children", "checkpoint", "evictable", "present", "last_use", "heap_seq",
-                 "rooted", "below")  # fmt: skip
+    __slots__ = ("key", "parent", "children", "checkpoint", "evictable", "present", "last_use", "used_before",
+                 "heap_seq", "rooted", "below")  # fmt: skip
 
     def __init__(self, key: bytes, parent: bytes | None):
         self.key: bytes = key
@@ -47,6 +51,7 @@ class Link:
         self.evictable: bool = True  # the tier may give it up now (not pinned, not being filled)
         self.present: bool = True  # its contents are there (not just reserved)
         self.last_use: int = 0
+        self.used_before: int = 0  # the use before last_use (0: stored, never hit since)
         self.heap_seq: int | None = None  # seq of its live entry in the victim heap
         self.rooted: bool = False  # every page from the root down to this one is held
         self.below: int = 0  # checkpoints held at this key or below it
@@ -61,7 +66,7 @@ class ChainIndex:
         self.links: dict[bytes, Link] = {}
         self.reachable: int = 0  # keys a hit on this tier alone could reach
         self._waiting: dict[bytes, set[bytes]] = {}  # a parent key not held -> held keys naming it
-        self._heap: list[tuple[int, int, int, bytes]] = []  # (useful, last_use, seq, key)
+        self._heap: list[tuple[int, int, int, int, bytes]] = []  # (useful, used_before, last_use, seq, key)
         self._seq: int = 0
         self._clock: int = 0
 
@@ -143,7 +148,7 @@ class ChainIndex:
         """Mark `key` used now."""
         link = self.links[key]
         self._clock += 1
-        link.last_use = self._clock
+        link.used_before, link.last_use = link.last_use, self._clock
         self._push(link)
 
     def is_leaf(self, key: bytes) -> bool:
@@ -153,7 +158,7 @@ class ChainIndex:
         """The first evictable leaf in eviction order (left held: the caller gives it up), or None."""
         heap = self._heap
         while heap:
-            _, _, seq, key = heap[0]
+            _, _, _, seq, key = heap[0]
             link = self.links.get(key)
             if link is not None and link.heap_seq == seq and link.evictable and not link.children:
                 return key
@@ -213,9 +218,9 @@ class ChainIndex:
         useful = not self.checkpoints or link.checkpoint or link.parent is None
         self._seq += 1
         link.heap_seq = self._seq
-        heappush(self._heap, (int(useful), link.last_use, self._seq, link.key))
+        heappush(self._heap, (int(useful), link.used_before, link.last_use, self._seq, link.key))
         if len(self._heap) > 2 * len(self.links) + 64:
-            self._heap = [e for e in self._heap if e[3] in self.links and self.links[e[3]].heap_seq == e[2]]
+            self._heap = [e for e in self._heap if e[4] in self.links and self.links[e[4]].heap_seq == e[3]]
             heapify(self._heap)
 
     def check(self) -> None:
@@ -235,7 +240,7 @@ class ChainIndex:
             assert link.below == self._below_from_scratch(link), f"checkpoints below {key.hex()}"
             reachable += self._counted(link)
             if link.evictable and not link.children:
-                live = [e for e in self._heap if e[3] == key and e[2] == link.heap_seq]
+                live = [e for e in self._heap if e[4] == key and e[3] == link.heap_seq]
                 assert live, f"evictable leaf {key.hex()} has no current heap entry"
         assert self.reachable == reachable, f"reachable {self.reachable} != {reachable}"
 

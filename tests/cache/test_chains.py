@@ -49,6 +49,18 @@ def test_touch_moves_a_leaf_back():
     assert drain(index) == [2, 1, 0]
 
 
+def test_a_key_used_again_outlives_keys_used_once():
+    """LRU-2: a prefix that is hit survives a stream of one-time chains stored after it."""
+    index = ChainIndex(ROOT, checkpoints=False)
+    chain(index, [0])
+    index.touch(key(0))  # hit once
+    chain(index, [1])
+    chain(index, [2])
+    index.touch(key(2))  # hit after 0 was: its use before last (its store) is later than 0's
+    chain(index, [3])
+    assert drain(index) == [1, 3, 0, 2]
+
+
 def test_with_checkpoints_a_leaf_without_one_goes_first():
     index = ChainIndex(ROOT, checkpoints=True)
     chain(index, [0, 1, 2], checkpoints={1})  # page 2 lies beyond the chain's deepest checkpoint

@@ -285,12 +285,12 @@ def test_lookup_pins_the_cpu_run_until_release():
     p.release(7)
     p.cpu.check()
     assert pins(p, [0, 1, 2]) == [0, 0, 0]
-    # key 5 came after the hit: chain 0-1-2 goes first, from its deep end
+    # key 5 came after the hit, but was never hit itself: it goes first, then the chain from its deep end
     order = []
     for new in (10, 11, 12, 13):
         p.reserve(new, [key(new)], False)
         order += [i for i in (5, 2, 1, 0) if key(i) not in p.cpu.entries and i not in order]
-    assert order == [2, 1, 0, 5]
+    assert order == [5, 2, 1, 0]
 
 
 def test_lookup_with_nothing_found_pins_nothing():
