@@ -10,12 +10,15 @@ these steps from its message handlers and does the I/O between them.
              release         unpin the hit once its loads ran
 
     offload  reserve         entries for the keys not held, and the last page's state
+                             (hybrid: all of them or none)
              (ranks)         copy the device pages into them
              commit          fill (ok) or free them -> entries to write to disk, pinned
              (worker)        write each one, in a thread
              write_done      unpin it
 
-Every step runs on the worker's event loop, so steps of different messages
+The CPU tier evicts by usable prefix and drops what may not stay at rest
+(hkv/cache/cpu_tier.py); hits count as uses for its order. Every step runs
+on the worker's event loop, so steps of different messages
 interleave only between calls: while a lookup's disk read is in flight,
 other messages' reserve/commit/release run, and the lookup's pins keep its
 entries from them.
