@@ -401,7 +401,8 @@ def _tier_checkpoint_interval(args: argparse.Namespace, spec: ModelSpec, interva
     """Tokens between the tiers' interior checkpoints (hybrid with tiers), else None; exits 2 on a bad value."""
     requested = args.tier_checkpoint_interval
     if requested is not None and not spec.hybrid:
-        raise ConfigError(f"--tier-checkpoint-interval applies to hybrid models only; {args.model} has no linear attention")
+        raise ConfigError(f"--tier-checkpoint-interval applies to hybrid models only; {args.model} has no "
+                          "linear attention")
     if interval is None or args.cpu_cache_gb <= 0:
         return None
     if requested is not None:
