@@ -98,6 +98,7 @@ class CacheConfig:
     disk_cache_dir: str | None  # disk tier folder (absolute), None = no disk tier
     disk_cache_gb: float | None  # disk tier budget; set whenever disk_cache_dir is
     gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and pools
+    tier_checkpoint_interval: int | None = None  # hybrid with tiers: tokens between interior tier checkpoints
 
     @property
     def tiers(self) -> bool:
@@ -247,6 +248,10 @@ def _tier_flags(p: argparse.ArgumentParser) -> None:
                    help="folder of the disk tier behind the CPU tier (default: none, no disk tier)")
     g.add_argument("--disk-cache-gb", type=_non_negative_float, default=None,
                    help=f"disk tier budget in GiB (default: {DEFAULT_DISK_CACHE_GB:g} when --disk-cache-dir is given)")
+    g.add_argument("--tier-checkpoint-interval", type=_positive_int, default=None,
+                   help="hybrid models: tokens between the interior checkpoints the CPU and disk tiers keep, a "
+                        "multiple of --checkpoint-interval; every prompt end and finish keeps one too (default: the "
+                        "smallest multiple at which a checkpoint's bytes are at most the KV of the tokens it spans)")
 
 
 def _scheduling_flags(p: argparse.ArgumentParser) -> None:
@@ -352,6 +357,8 @@ def _check_tiers(args: argparse.Namespace) -> None:
         raise ConfigError(f"--cpu-cache-gb {args.cpu_cache_gb} is more than 4096")
     if args.disk_cache_gb is not None and args.disk_cache_dir is None:
         raise ConfigError("--disk-cache-gb needs --disk-cache-dir")
+    if args.tier_checkpoint_interval is not None and args.cpu_cache_gb <= 0:
+        raise ConfigError("--tier-checkpoint-interval needs --cpu-cache-gb > 0")
     if args.disk_cache_dir is None:
         return
     if args.cpu_cache_gb <= 0:
@@ -404,6 +411,29 @@ def _graph_max_bs(args: argparse.Namespace, max_running: int, on_cpu: bool) -> i
     return min(args.cuda_graph_max_bs or max_running, max_running)
 
 
+def _tier_checkpoint_interval(args: argparse.Namespace, spec: ModelSpec, interval: int | None,
+                              dtype: str) -> int | None:  # fmt: skip
+    """Tokens between the tiers' interior checkpoints (hybrid with tiers), else None; exits 2 on a bad value."""
+    requested = args.tier_checkpoint_interval
+    if requested is not None and not spec.hybrid:
+        raise ConfigError(f"--tier-checkpoint-interval applies to hybrid models only; {args.model} has no "
+                          "linear attention")
+    if interval is None or args.cpu_cache_gb <= 0:
+        return None
+    if requested is not None:
+        if requested % interval:
+            raise ConfigError(f"--tier-checkpoint-interval ({requested}) must be a multiple of "
+                              f"--checkpoint-interval ({interval})")  # fmt: skip
+        return requested
+    # docs/sizing.md: KV bytes per token of the full-attention layers, fp32 state bytes per checkpoint
+    kv_per_token = 2 * len(spec.full_layers) * spec.num_kv_heads * spec.head_dim * (4 if dtype == "float32" else 2)
+    conv_dim = 2 * spec.linear_k_heads * spec.linear_k_dim + spec.linear_v_heads * spec.linear_v_dim
+    per_layer = spec.linear_v_heads * spec.linear_k_dim * spec.linear_v_dim + conv_dim * (spec.conv_kernel - 1)
+    state_bytes = len(spec.linear_layers) * per_layer * 4
+    span = -(-state_bytes // max(1, kv_per_token))  # tokens whose KV weighs one checkpoint
+    return max(1, -(-span // interval)) * interval
+
+
 def _valid_name(name: str) -> bool:
     return 0 < len(name) <= 32 and all(c.isalnum() or c in "_." for c in name) and name.isascii()
 
@@ -443,7 +473,8 @@ def _resolve_model_path(model: str, cache_dir: str) -> str:
     return str(Path(model).resolve())
 
 
-def _cache_config(args: argparse.Namespace, spec: ModelSpec, max_running: int, on_cpu: bool) -> CacheConfig:
+def _cache_config(args: argparse.Namespace, spec: ModelSpec, max_running: int, on_cpu: bool,
+                  dtype: str) -> CacheConfig:  # fmt: skip
     interval, state_slots = _resolve_checkpoints(args, spec.hybrid, max_running, on_cpu)
     return CacheConfig(
         page_size=args.page_size,
@@ -456,6 +487,7 @@ def _cache_config(args: argparse.Namespace, spec: ModelSpec, max_running: int, o
         disk_cache_dir=str(Path(args.disk_cache_dir).resolve()) if args.disk_cache_dir else None,
         disk_cache_gb=(args.disk_cache_gb or DEFAULT_DISK_CACHE_GB) if args.disk_cache_dir else None,
         gpu_memory_fraction=args.gpu_memory_fraction or 0.9,
+        tier_checkpoint_interval=_tier_checkpoint_interval(args, spec, interval, dtype),
     )
 
 
@@ -491,7 +523,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     name = args.name or f"hkv{args.port}"
     on_cpu = device == "cpu"
     max_running = args.max_running_requests or (32 if on_cpu else 256)
-    cache = _cache_config(args, spec, max_running, on_cpu)
+    cache = _cache_config(args, spec, max_running, on_cpu, dtype)
     run_dir = tempfile.mkdtemp(prefix=f"hkv-{name}-")  # mode 0700
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec,

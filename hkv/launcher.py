@@ -85,9 +85,10 @@ class Instance:
         cfg = self.cfg
         layout, fingerprint = tier_layout(cfg)
         if layout.num_pages == 0:
-            raise ConfigError(f"--cpu-cache-gb {cfg.cache.cpu_cache_gb} holds no page of {layout.page_bytes} bytes")
-        log.info("CPU tier: %d pages, %d checkpoints, %.1f MiB", layout.num_pages, layout.num_states,
-                 layout.nbytes / 2**20)
+            need = max(layout.page_bytes, layout.block_bytes)
+            raise ConfigError(f"--cpu-cache-gb {cfg.cache.cpu_cache_gb} holds no page and checkpoint ({need} bytes)")
+        log.info("CPU tier: %d units of %d bytes, %d per checkpoint (at most %d checkpoints), %.1f MiB",
+                 layout.num_pages, layout.page_bytes, layout.state_units, layout.num_states, layout.nbytes / 2**20)
         pool, tier_stats = tier_regions.TIER_REGION, tier_regions.TIER_STATS_REGION
         self.regions.append(ShmRegion.create(cfg.server.name, pool, layout.nbytes, writer="cache_worker"))
         registry.add(pool, writer="cache_worker", version=tier_regions.VERSION,
@@ -201,9 +202,8 @@ class Instance:
 def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
     """The CPU tier's layout for `cfg` and the fingerprint root key of its entries.
 
-    The model is built on the meta device (layouts, no weights). About two
-    checkpoints per checkpoint interval's worth of pages (the interval
-    boundary and a prompt end or finish): each hybrid hit needs one.
+    The model is built on the meta device (layouts, no weights). Pages and
+    checkpoints share the whole budget (hkv/storage/host_pool.py).
     """
     # imported here: they load torch, which a launch without tiers never needs
     from hkv.models.loader import cache_fingerprint, meta_model
@@ -213,8 +213,7 @@ def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
     model = meta_model(cfg.model.path)
     kv = model.kv_layout(1, c.page_size, cfg.model.dtype, "cpu")
     state = model.state_layout(1, device="cpu", dtype="float32") if c.hybrid else None
-    share = min(1.0, 2 * c.page_size / c.checkpoint_interval) if c.hybrid else 0.0
-    layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), share)
+    layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30))
     digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start
     fingerprint = cache_fingerprint(cfg.model.path, cfg.model.dtype, c.page_size, cfg.model.tp, cfg.model.device,
                                     digest_cache=digests)

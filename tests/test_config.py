@@ -53,7 +53,8 @@ def _qwen3_5_folder(tmp_path, **extra):
     text = dict(model_type="qwen3_5_text", vocab_size=1536, hidden_size=32, num_hidden_layers=4,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
                 full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, **extra)
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+    text.update(extra)
     (tmp_path / "config.json").write_text(json.dumps(text))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_dense_folder() / name, tmp_path / name)
@@ -94,3 +95,38 @@ def test_graph_and_memory_flags(tmp_path):
         parse_cli(["--device", "cpu", "--model", folder, "--cuda-graph-max-bs", "8", "--no-cuda-graph"])
     with pytest.raises(SystemExit):
         parse_cli(["--device", "cpu", "--model", folder, "--gpu-memory-fraction", "1.5"])
+
+
+def _qwen3_5_9b_folder(tmp_path):
+    """Qwen3.5-9B's cache-relevant shape (docs/sizing.md): 8 of 32 layers full attention, 4 KV heads x 256,
+    GDN with 16 key heads x 128 and 32 value heads x 128, kernel 4."""
+    return _qwen3_5_folder(tmp_path, hidden_size=64, num_hidden_layers=32, full_attention_interval=4,
+                           num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                           linear_key_head_dim=128, linear_value_head_dim=128)
+
+
+@pytest.mark.parametrize(("dtype", "interval"), [("bfloat16", 1792), ("float32", 1024)])
+def test_the_tier_checkpoint_interval_defaults_to_where_a_checkpoint_costs_its_span(tmp_path, dtype, interval):
+    """A 50.25 MiB checkpoint is the bf16 KV of 1,608 tokens: 7 intervals of 256 (4 at fp32's 804)."""
+    cfg = parse_cli(["--device", "cpu", "--dtype", dtype, "--model", str(_qwen3_5_9b_folder(tmp_path)),
+                     "--cpu-cache-gb", "1", "--max-running-requests", "4"])
+    shutil.rmtree(cfg.run_dir)
+    assert (cfg.cache.checkpoint_interval, cfg.cache.tier_checkpoint_interval) == (256, interval)
+
+
+def test_the_tier_checkpoint_interval_is_a_multiple_for_hybrid_models_with_tiers(tmp_path):
+    folder = str(_qwen3_5_folder(tmp_path))
+    base = ["--device", "cpu", "--model", folder, "--max-running-requests", "4"]
+    cfg = parse_cli([*base, "--cpu-cache-gb", "1", "--tier-checkpoint-interval", "768"])
+    shutil.rmtree(cfg.run_dir)
+    assert cfg.cache.tier_checkpoint_interval == 768
+    cfg = parse_cli(base)
+    shutil.rmtree(cfg.run_dir)
+    assert cfg.cache.tier_checkpoint_interval is None  # no tiers
+    with pytest.raises(ConfigError, match=r"must be a multiple of --checkpoint-interval \(256\)"):
+        parse_cli([*base, "--cpu-cache-gb", "1", "--tier-checkpoint-interval", "300"])
+    with pytest.raises(ConfigError, match="needs --cpu-cache-gb"):
+        parse_cli([*base, "--tier-checkpoint-interval", "512"])
+    with pytest.raises(ConfigError, match="hybrid models only"):
+        parse_cli(["--device", "cpu", "--model", str(tiny_dense_folder()), "--cpu-cache-gb", "1",
+                   "--tier-checkpoint-interval", "512"])

@@ -92,8 +92,10 @@ def run(device: str, quick: bool, repeats: int) -> list[dict]:
                       kv_layout.dtype, "cpu")
     st_cpu = StateLayout(state_layout.lin_layers, 1, state_layout.conv_dim, state_layout.kernel_size,
                          state_layout.v_heads, state_layout.k_dim, state_layout.v_dim)
-    probe = HostLayout.for_model(kv_cpu, st_cpu, 1 << 40, 0.0)
-    layout = HostLayout(**{**probe.to_dict(), "num_pages": host_pages, "num_states": 4})
+    probe = HostLayout.for_model(kv_cpu, st_cpu, 1 << 40)  # only its shapes: the unit count is set below
+    k = probe.state_units
+    units = -(-max(host_pages, 3 * k) // k) * k  # every page entry a device page can go to, and 3 checkpoints
+    layout = HostLayout(**{**probe.to_dict(), "num_pages": units})
     buffer = _shm_buffer(layout.nbytes)
     if device == "cuda":
         _register(buffer)

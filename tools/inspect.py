@@ -80,7 +80,11 @@ def _read_stats(name: str) -> dict[str, Any]:
         radix["cached_tokens"] = radix["cached_pages"] * page_size
     steps = {k: values[k] for k in ("steps", "step_wall_s", "forward_s", "prefill_tokens", "decode_tokens",
                                     "preemptions", "waiting", "running", "flushes")}
-    tiers = {"gpu": {"cached_tokens_served": int(values["cached_tokens_gpu"])},
+    gpu = {"cached_tokens_served": int(values["cached_tokens_gpu"])}
+    if page_size:
+        reachable = int(values["radix_reachable_pages"]) * page_size
+        gpu.update(held_tokens=radix["cached_tokens"], reachable_tokens=reachable)
+    tiers = {"gpu": gpu,
              "cpu": {"enabled": False, "cached_tokens_served": int(values["cached_tokens_cpu"])},
              "disk": {"enabled": False, "cached_tokens_served": int(values["cached_tokens_disk"])}}
     return {"pools": pools, "radix": radix, "tiers": tiers, "steps": steps}

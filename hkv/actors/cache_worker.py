@@ -65,7 +65,7 @@ class CacheWorker:
             budget = int(cfg.cache.disk_cache_gb * 2**30)
             self.disk = DiskTier(cfg.cache.disk_cache_dir, budget, fingerprint, layout.descriptor,
                                  layout.page_bytes, layout.state_bytes)
-        self.policy = TierPolicy(CpuTier(layout.num_pages, layout.num_states), self.disk)
+        self.policy = TierPolicy(CpuTier(layout.num_pages, layout.state_units, fingerprint, self.move_page), self.disk)
         self.stats_block = stats_block
         self.counters = WriteCounters()
         self.lookups: asyncio.Queue[TierLookup] = asyncio.Queue(maxsize=1024)
@@ -73,6 +73,10 @@ class CacheWorker:
         self.changed = asyncio.Event()  # set when the stats block is stale
         self.inbox: Receiver[TierInbound] = Receiver(zctx, cfg.ipc_address("cache_in"), TierInbound, "cache_in")
         self.to_router: Sender[RouterInbound] = Sender(zctx, cfg.ipc_address("router_in"), "router_in")
+
+    def move_page(self, src: int, dst: int) -> None:
+        """Copy page entry src to dst (compaction; the tier moves only entries no rank or thread touches)."""
+        self.host.page_view(dst)[:] = self.host.page_view(src)
 
     async def open(self) -> None:
         if self.disk is not None:
@@ -117,7 +121,7 @@ class CacheWorker:
 
     async def lookup(self, msg: TierLookup) -> TierFound:
         """Pin the longest usable run of msg.keys, reading its disk-only pages into fresh CPU entries."""
-        plan = self.policy.begin_lookup(msg.lookup_id, msg.keys, msg.need_state)
+        plan = self.policy.begin_lookup(msg.lookup_id, msg.keys, msg.need_state, msg.parent)
         reads = plan.disk_reads
         failed_at = await self._read_disk(reads) if reads else None
         hit = self.policy.finish_lookup(plan, failed_at)
@@ -165,7 +169,7 @@ class CacheWorker:
         # a state still being stored (reserved after this write was queued) is not written
         state = self.host.state_view(entry.checkpoint) if entry.checkpoint is not None else None
         try:
-            await asyncio.to_thread(self.disk.write, entry.key, self.host.page_view(entry.page), state)
+            await asyncio.to_thread(self.disk.write, entry.key, self.host.page_view(entry.page), state, entry.parent)
         finally:
             self.policy.write_done(entry)
             self.changed.set()
@@ -196,20 +200,28 @@ class CacheWorker:
         json_block.write(self.stats_block, self.stats())
 
     def stats(self) -> dict:
-        cpu_tier = self.policy.cpu
+        """The stats block: counters, pools and coverage (held_tokens: tokens whose pages the tier holds;
+        reachable_tokens: tokens a hit on that tier alone could reach, from a prompt's first page)."""
+        cpu_tier, P = self.policy.cpu, self.layout.page_size
         usage = cpu_tier.usage()
+        held, reachable = cpu_tier.coverage()
         c, cc, wc = self.policy.counters, cpu_tier.counters, self.counters
         cpu = {
             "pages": usage["pages"], "states": usage["states"],
             "page_bytes": self.layout.page_bytes, "state_bytes": self.layout.state_bytes,
+            "budget_bytes": self.layout.nbytes, "state_units": self.layout.state_units,
+            "held_tokens": held * P, "reachable_tokens": reachable * P,
             "stores": cc.stores, "state_stores": cc.state_stores, "store_skipped": cc.store_skipped,
             "store_refused": cc.store_refused, "evicted_pages": cc.evicted_pages,
-            "evicted_states": cc.evicted_states, "rolled_back": cc.rolled_back,
+            "evicted_states": cc.evicted_states, "pruned_pages": cc.pruned_pages, "pruned_states": cc.pruned_states,
+            "moved_pages": cc.moved_pages, "rolled_back": cc.rolled_back,
             "lookups": c.lookups, "hit_pages": c.hit_pages_cpu,
-        }
+        }  # fmt: skip
         doc = {"cpu": cpu, "disk": None, "malformed": c.malformed}
         if self.disk is not None:
+            files, reachable_files = self.disk.coverage()
             doc["disk"] = {**self.disk.stats(), "dir": str(self.disk.directory), "hit_pages": c.hit_pages_disk,
+                           "held_tokens": files * P, "reachable_tokens": reachable_files * P,
                            "read_failed": c.disk_read_failed, "write_queue": self.writes.qsize(),
                            "writes_queued": wc.writes_queued, "writes_skipped": wc.writes_skipped}
         return doc

@@ -127,6 +127,7 @@ class Router:
             eos_ids=frozenset(cfg.model.spec.eos_ids),
             hybrid=c.hybrid,
             checkpoint_interval=c.checkpoint_interval,
+            tier_checkpoint_interval=c.tier_checkpoint_interval,
         )
         spec = CacheSpec(c.page_size, kv_pages, c.state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
         self.coord = CacheCoordinator(spec)
@@ -271,6 +272,8 @@ class Router:
         doc = {"nodes": tree.num_nodes, "checkpoint_nodes": checkpoints[:RADIX_LIST_MAX],
                "listed_all": len(checkpoints) <= RADIX_LIST_MAX}
         json_block.write(self.radix_block, doc)
+        reachable = tree.pages_under_checkpoints() if self.coord.spec.hybrid else tree.cached_pages
+        self.stats.set_many({"radix_reachable_pages": reachable})
         self._radix_written, self._radix_written_at = counters, now
 
     def record_pools(self) -> None:

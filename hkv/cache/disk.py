@@ -17,10 +17,14 @@ The file format (header, payload, crc32 trailer) lives in hkv/cache/disk_format.
 A write goes to a temp file in the key's subdirectory, is fsynced, then
 renamed to its final name, so a reader sees a whole file or none. A read
 checks size, every header field, and the checksum; any mismatch deletes the
-file and is a miss. The index (key -> size, has_state) lives in memory, is
-rebuilt from the file names at `open()`, and is ordered least recently used
-first (mtime order at open; writes and read hits move an entry to the end and
-bump its file's mtime, so the order survives a restart).
+file and is a miss. The index (key -> size, has_state) lives in memory and is
+rebuilt from the file names at `open()`. Eviction follows usable prefixes
+(`ChainIndex`, hkv/cache/chains.py): files no other file needs as a prefix
+first, those without a checkpoint before those with one, then least recently
+used. The parent of a key is learned from writes and from lookups (`link`);
+it is not in the file, so after a restart the tier knows no chains until
+lookups and writes name them again, and ranks files by mtime alone (writes
+and read hits bump it).
 
 Locking: `_lock` guards the index, the in-flight reservations and the
 counters. Reading and writing file contents happen outside it; renames (cheap
@@ -41,10 +45,10 @@ import logging
 import os
 import re
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from hkv.cache.chains import ChainIndex
 from hkv.cache.disk_format import CorruptFile, PageFormat
 from hkv.cache.keys import KEY_BYTES
 
@@ -76,10 +80,11 @@ class _Reservation:
     generation: int  # `DiskTier._generation` when it began; a flush since makes it stale
     size: int
     has_state: bool
+    parent: bytes | None  # the key of the page before it, if the writer knows it
 
 
 class DiskTier:
-    """Pages on disk under a byte budget, least recently used evicted first."""
+    """Pages on disk under a byte budget, evicted by usable prefix (deep ends first, then least recently used)."""
 
     def __init__(
         self,
@@ -109,7 +114,8 @@ class DiskTier:
         self._format: PageFormat = PageFormat(fingerprint, layout_bytes, kv_len, state_len)
         self._lock: threading.Lock = threading.Lock()
         self._opened: bool = False
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._index: dict[bytes, _Entry] = {}
+        self._chains: ChainIndex = ChainIndex(fingerprint, checkpoints=state_len > 0)  # the eviction order
         self._bytes: int = 0  # sum of the indexed entries' sizes
         self._pending: dict[bytes, _Reservation] = {}  # the best write in flight per key
         self._pending_bytes: int = 0  # sum over every write in flight, superseded ones too
@@ -133,7 +139,9 @@ class DiskTier:
             self._scan_subdir(subdir, found)
         ordered = sorted(found.items(), key=lambda item: (item[1][0], item[0]))
         with self._lock:
-            self._index = OrderedDict((key, entry) for key, (_, entry) in ordered)
+            self._index = {key: entry for key, (_, entry) in ordered}
+            for key, entry in self._index.items():  # oldest mtime first: the least recently used
+                self._chains.add(key, None, checkpoint=entry.has_state)
             self._bytes = sum(entry.size for entry in self._index.values())
             self._opened = True
             doomed = self._evict_for(0)
@@ -172,7 +180,16 @@ class DiskTier:
             entry = self._index.get(key)
             return entry is not None and entry.has_state
 
-    def write(self, key: bytes, kv: memoryview | bytes, state: memoryview | bytes | None) -> bool:
+    def link(self, key: bytes, parent: bytes) -> None:
+        """A lookup saw `key` follow `parent`: remember it if `key` is indexed. Mutates the chains only."""
+        _check_key(key)
+        with self._lock:
+            self._require_open()
+            if key in self._chains:
+                self._chains.set_parent(key, parent)
+
+    def write(self, key: bytes, kv: memoryview | bytes, state: memoryview | bytes | None,
+              parent: bytes | None = None) -> bool:  # fmt: skip
         """Store a page and optionally its checkpoint; True if a file was written.
 
         `kv` is `kv_len` bytes, `state` `state_len` bytes or None (any
@@ -183,7 +200,10 @@ class DiskTier:
         budget or the budget is held by writes in flight, or on an OSError
         (counted in `write_errors`, temp file removed).
 
-        Mutates: evicts LRU entries (index and files) to make room; adds the
+        `parent` is the key of the page before it (the root key for a first
+        page), when known: the eviction order needs it.
+
+        Mutates: evicts entries (index and files) to make room; adds the
         entry; a checkpoint-carrying file replaces the key's state-less one.
         """
         _check_key(key)
@@ -196,9 +216,9 @@ class DiskTier:
             self._require_open()
             covering = self._covering_entry(key, has_state)
             if covering is None:
-                reservation, doomed = self._reserve(key, has_state)
+                reservation, doomed = self._reserve(key, has_state, parent)
             else:
-                self._index.move_to_end(key)
+                self._use(key, parent)
         if covering is not None:
             _touch(self._path(key, covering.has_state))
             return False
@@ -248,7 +268,7 @@ class DiskTier:
         with self._lock:
             self._counts["hits"] += 1
             if self._index.get(key) is entry:
-                self._index.move_to_end(key)
+                self._use(key, None)
         return entry.has_state and state_view is not None
 
     def discard(self, key: bytes) -> None:
@@ -259,7 +279,7 @@ class DiskTier:
         _check_key(key)
         with self._lock:
             self._require_open()
-            entry = self._index.pop(key, None)
+            entry = self._unindex(key) if key in self._index else None
             doomed = [] if entry is None else [self._retire(key, entry)]
         _unlink_all(doomed)
 
@@ -273,6 +293,7 @@ class DiskTier:
             self._require_open()
             entries = list(self._index.items())
             self._index.clear()
+            self._chains = ChainIndex(self.fingerprint, checkpoints=self.state_len > 0)
             self._generation += 1
             doomed = [self._retire(key, entry) for key, entry in entries]
         _unlink_all(doomed)
@@ -290,6 +311,12 @@ class DiskTier:
             return {"files": len(self._index), "bytes": self._bytes, "budget_bytes": self.budget_bytes,
                     **self._counts}  # fmt: skip
 
+    def coverage(self) -> tuple[int, int]:
+        """(files, files a hit on this tier alone could reach: their chain from a first page is on
+        disk, down to a checkpoint when the tier keeps them, as far as the tier knows its chains)."""
+        with self._lock:
+            return len(self._index), self._chains.reachable
+
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first breach between index and directory.
 
@@ -306,6 +333,8 @@ class DiskTier:
             for path, size in indexed.items():
                 assert on_disk[path] == size, f"{path}: {on_disk[path]} bytes on disk, {size} indexed"
             total = sum(indexed.values())
+            self._chains.check()
+            assert set(self._chains.links) == set(self._index), "chain links differ from the index"
             assert self._bytes == total, f"bytes {self._bytes} != sum of sizes {total}"
             assert self._bytes + self._pending_bytes <= self.budget_bytes, (
                 f"bytes {self._bytes} + in flight {self._pending_bytes} > budget {self.budget_bytes}")
@@ -376,8 +405,8 @@ class DiskTier:
             return entry
         return None
 
-    def _reserve(self, key: bytes, has_state: bool) -> tuple[_Reservation | None, list[str]]:
-        """Claim budget for a write, evicting LRU entries; None if it must not go ahead.
+    def _reserve(self, key: bytes, has_state: bool, parent: bytes | None) -> tuple[_Reservation | None, list[str]]:
+        """Claim budget for a write, evicting in usable-prefix order; None if it must not go ahead.
 
         Lock held. Returns the reservation and the retired files to unlink
         once the lock is released.
@@ -389,7 +418,7 @@ class DiskTier:
         if self._pending_bytes + size > self.budget_bytes:
             return None, []  # larger than the budget, or the rest is held by writes in flight
         doomed = self._evict_for(size)
-        reservation = _Reservation(self._generation, size, has_state)
+        reservation = _Reservation(self._generation, size, has_state, parent)
         self._pending[key] = reservation
         self._pending_bytes += size
         return reservation, doomed
@@ -430,6 +459,10 @@ class DiskTier:
         superseded = self._index.pop(key, None)
         if superseded is not None:
             doomed.append(self._retire(key, superseded))
+            self._chains.set_checkpoint(key, reservation.has_state)
+            self._use(key, reservation.parent)
+        else:
+            self._chains.add(key, reservation.parent, checkpoint=reservation.has_state)
         self._index[key] = _Entry(reservation.size, reservation.has_state)
         self._bytes += reservation.size
         self._counts["writes"] += 1
@@ -448,7 +481,7 @@ class DiskTier:
             self._counts["misses"] += 1
             doomed = []
             if self._index.get(key) is entry:
-                del self._index[key]
+                self._unindex(key)
                 doomed.append(self._retire(key, entry))
         _unlink_all(doomed)
         return None
@@ -458,7 +491,7 @@ class DiskTier:
         with self._lock:
             self._counts["misses"] += 1
             if self._index.get(key) is entry:
-                del self._index[key]
+                self._unindex(key)
                 self._bytes -= entry.size
         return None
 
@@ -468,16 +501,27 @@ class DiskTier:
         return None
 
     def _evict_for(self, size: int) -> list[str]:
-        """Evict LRU entries until `size` more bytes fit beside the writes in flight. Lock held.
+        """Evict in usable-prefix order until `size` more bytes fit beside the writes in flight. Lock held.
 
         Returns the retired files to unlink once the lock is released.
         """
         doomed = []
-        while self._index and self._bytes + self._pending_bytes + size > self.budget_bytes:
-            key, entry = self._index.popitem(last=False)
+        while self._bytes + self._pending_bytes + size > self.budget_bytes and (key := self._chains.victim()):
+            entry = self._unindex(key)
             self._counts["evictions"] += 1
             doomed.append(self._retire(key, entry))
         return doomed
+
+    def _unindex(self, key: bytes) -> _Entry:
+        """Take `key` out of the index and the chains (not its bytes: `_retire` does that). Lock held."""
+        self._chains.remove(key)
+        return self._index.pop(key)
+
+    def _use(self, key: bytes, parent: bytes | None) -> None:
+        """`key` was written or read: most recently used; learn its parent if given. Lock held."""
+        if parent is not None:
+            self._chains.set_parent(key, parent)
+        self._chains.touch(key)
 
     def _retire(self, key: bytes, entry: _Entry) -> str | None:
         """Take a file out of the tier: rename it to a temp name for unlinking later. Lock held.

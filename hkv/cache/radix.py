@@ -459,6 +459,16 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
+    def pages_under_checkpoints(self) -> int:
+        """Cached pages on a path from the root to a checkpoint: what a hybrid hit could reach. O(nodes)."""
+        covered: set[int] = set()  # ids of nodes with a checkpoint at or below them
+        total = 0
+        for node in reversed(list(self.nodes())):  # children before their parents
+            if node.checkpoint is not None or node.node_id in covered:
+                total += len(node.pages)
+                covered.add(node.parent.node_id)
+        return total
+
     def dump(self, node: Node | None = None) -> tuple:
         """A nested, comparable picture of the tree: (key, pages, lock_ref, checkpoint, children)."""
         node = self.root if node is None else node

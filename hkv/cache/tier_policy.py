@@ -10,12 +10,15 @@ these steps from its message handlers and does the I/O between them.
              release         unpin the hit once its loads ran
 
     offload  reserve         entries for the keys not held, and the last page's state
+                             (hybrid: all of them or none)
              (ranks)         copy the device pages into them
              commit          fill (ok) or free them -> entries to write to disk, pinned
              (worker)        write each one, in a thread
              write_done      unpin it
 
-Every step runs on the worker's event loop, so steps of different messages
+The CPU tier evicts by usable prefix and drops what may not stay at rest
+(hkv/cache/cpu_tier.py); hits count as uses for its order. Every step runs
+on the worker's event loop, so steps of different messages
 interleave only between calls: while a lookup's disk read is in flight,
 other messages' reserve/commit/release run, and the lookup's pins keep its
 entries from them.
@@ -36,6 +39,8 @@ class DiskIndex(Protocol):
     def contains(self, key: bytes) -> bool: ...
 
     def has_state(self, key: bytes) -> bool: ...
+
+    def link(self, key: bytes, parent: bytes) -> None: ...  # a lookup saw `key` follow `parent`
 
 
 @dataclass
@@ -106,21 +111,26 @@ class TierPolicy:
         self.lookup_pins: dict[int, list[Entry]] = {}  # lookup id -> entries it pinned, until release
         self.offloads: dict[int, Offload] = {}  # offload id -> its reservations, until commit
 
-    def begin_lookup(self, lookup_id: int, keys: list[bytes], need_state: bool) -> LookupPlan:
+    def begin_lookup(self, lookup_id: int, keys: list[bytes], need_state: bool,
+                     parent: bytes | None = None) -> LookupPlan:  # fmt: skip
         """Pin the longest run of `keys` held by a tier; reserve entries for its disk-only pages.
 
-            keys   [ cpu | cpu | disk | cpu | disk | (absent) ...
-            run    [ pinned ........................ ]            hybrid: ends at a page with a checkpoint
+            parent  keys   [ cpu | cpu | disk | cpu | disk | (absent) ...
+                    run    [ pinned ........................ ]            hybrid: ends at a page with a checkpoint
 
-        The run stops early where no entry can be had for a disk page. A
-        malformed lookup (reused id, bad key size) is counted and plans nothing.
-        Mutates `cpu`; the plan must be passed to finish_lookup.
+        `parent` is the key of the page before keys[0] (None: keys[0] is a
+        prompt's first page). The run stops early where no entry can be had
+        for a disk page. A malformed lookup (reused id, bad key size) is
+        counted and plans nothing. Mutates `cpu`; the plan must be passed to
+        finish_lookup.
         """
         self.counters.lookups += 1
-        if lookup_id in self.lookup_pins or any(len(k) != KEY_BYTES for k in keys):
+        bad_key = any(len(k) != KEY_BYTES for k in keys) or (parent is not None and len(parent) != KEY_BYTES)
+        if lookup_id in self.lookup_pins or bad_key:
             self.counters.malformed += 1
             return LookupPlan(lookup_id, need_state, [], [])
-        entries, from_disk = self._pin_run(self._held_run(keys, need_state), need_state)
+        parent = self.cpu.root if parent is None else parent
+        entries, from_disk = self._pin_run(self._held_run(keys, need_state, parent), need_state, parent)
         return LookupPlan(lookup_id, need_state, entries, from_disk)
 
     def finish_lookup(self, plan: LookupPlan, failed_at: int | None) -> LookupHit | None:
@@ -146,6 +156,8 @@ class TierPolicy:
             entries, from_disk = self._cut_to_state(entries, from_disk)
         if not entries:
             return None
+        for entry in entries:
+            self.cpu.touch(entry)
         self.lookup_pins[plan.lookup_id] = entries
         self.counters.hit_pages_cpu += sum(1 for d in from_disk if not d)
         self.counters.hit_pages_disk += sum(from_disk)
@@ -160,8 +172,11 @@ class TierPolicy:
             return
         self._unpin_all(entries)
 
-    def _held_run(self, keys: list[bytes], need_state: bool) -> list[tuple[bytes, Entry | None]]:
-        """The leading keys held by a tier: (key, CPU entry) or (key, None) for disk-only ones."""
+    def _held_run(self, keys: list[bytes], need_state: bool, parent: bytes) -> list[tuple[bytes, Entry | None]]:
+        """The leading keys held by a tier: (key, CPU entry) or (key, None) for disk-only ones.
+
+        Tells the disk index each disk-only key's parent (it forgets them across restarts).
+        """
         run: list[tuple[bytes, Entry | None]] = []
         last_state = -1
         for key in keys:
@@ -170,18 +185,21 @@ class TierPolicy:
                 has_state = entry.checkpoint is not None
             elif key not in self.cpu.entries and self.disk is not None and self.disk.contains(key):
                 has_state = self.disk.has_state(key)
+                self.disk.link(key, parent)
             else:
                 break
             run.append((key, entry))
+            parent = key
             if has_state:
                 last_state = len(run) - 1
         return run[: last_state + 1] if need_state else run
 
-    def _pin_run(self, run: list[tuple[bytes, Entry | None]], need_state: bool) -> tuple[list[Entry], list[bool]]:
+    def _pin_run(self, run: list[tuple[bytes, Entry | None]], need_state: bool,
+                 parent: bytes) -> tuple[list[Entry], list[bool]]:  # fmt: skip
         """Pin the run's CPU entries, then reserve entries for its disk ones; stops where none can be had.
 
-        Pinning first keeps a disk page's reservation from evicting a later
-        CPU page of the same run (LRU makes the deeper pages the likeliest victims).
+        Pinning first keeps a disk page's reservation from evicting a CPU page
+        of the same run (a leaf of the run's chain may be the likeliest victim).
         """
         for _, entry in run:
             if entry is not None:
@@ -189,7 +207,7 @@ class TierPolicy:
         entries: list[Entry] = []
         for i, (key, entry) in enumerate(run):
             if entry is None:
-                entry = self.cpu.reserve(key)
+                entry = self.cpu.reserve(key, run[i - 1][0] if i else parent)
                 if entry is not None and need_state and i == len(run) - 1 and self.cpu.reserve_state(entry) is None:
                     self.cpu.drop(entry)
                     entry = None
@@ -208,41 +226,61 @@ class TierPolicy:
         return entries[:keep], from_disk[:keep]
 
     def reserve(self, offload_id: int, keys: list[bytes], state: bool) -> Reserved:
-        """Reserve entries for the keys not held yet; stops at the first key no entry can take.
+        """Reserve entries for the keys not held yet, keys[0] being a prompt's first page.
 
             keys     [ held | new | held | new | (no room) ... ]
             entries  [ None | e1  | None | e2  | None ...      ]
 
-        `state`: also a state entry for the last key's checkpoint. Mutates
-        `cpu` and records the offload until commit; a malformed reserve
-        (reused id, bad key size) is counted and reserves nothing.
+        `state`: also a state entry for the last key's checkpoint. On a hybrid
+        tier that is all or nothing: pages past the deepest checkpoint serve
+        no hit, so without room for every new page and the checkpoint nothing
+        is reserved (and nothing the chain holds is evicted). Without `state`
+        it stops at the first key no entry can take. Mutates `cpu` and records
+        the offload until commit; a malformed reserve (reused id, bad key size)
+        is counted and reserves nothing.
         """
         if offload_id in self.offloads or any(len(k) != KEY_BYTES for k in keys):
             self.counters.malformed += 1
             return Reserved([None] * len(keys), None)
-        out: list[int | None] = []
-        new: list[Entry] = []
-        skipped: list[Entry] = []  # pinned while reserving, so making room never evicts the chain's own pages
-        for key in keys:
-            held = self.cpu.entries.get(key)
-            if held is not None:
-                self.cpu.counters.store_skipped += 1
-                self.cpu.pin(held)
-                skipped.append(held)
-                out.append(None)
-                continue
-            entry = self.cpu.reserve(key)
-            if entry is None:
-                self.cpu.counters.store_refused += 1
-                break
-            out.append(entry.page)
-            new.append(entry)
-        out += [None] * (len(keys) - len(out))
+        held = [self.cpu.entries.get(key) for key in keys]
+        skipped = [entry for entry in held if entry is not None]
+        for entry in skipped:  # pinned while reserving, so making room never evicts the chain's own pages
+            self.cpu.pin(entry)
+        if state and self.cpu.checkpoints and not self._room_for(held):
+            self.cpu.counters.store_refused += 1
+            self._unpin_all(skipped)
+            return Reserved([None] * len(keys), None)
+        out, new = self._reserve_pages(keys, held)
         state_of, state_entry = self._reserve_state(keys, state, out)
         self._unpin_all(skipped)
         if new or state_of is not None:
             self.offloads[offload_id] = Offload(new, state_of)
         return Reserved(out, state_entry)
+
+    def _room_for(self, held: list[Entry | None]) -> bool:
+        """Make room for a hybrid offload's new pages and the last page's checkpoint, if it lacks one."""
+        last = held[-1] if held else None
+        needs_state = bool(held) and (last is None or (last.valid and last.state is None))
+        return self.cpu.make_room(sum(entry is None for entry in held), int(needs_state))
+
+    def _reserve_pages(self, keys: list[bytes], held: list[Entry | None]) -> tuple[list[int | None], list[Entry]]:
+        """Page entries for the keys not held, in chain order, until one finds no room."""
+        out: list[int | None] = []
+        new: list[Entry] = []
+        parent = self.cpu.root
+        for key, entry in zip(keys, held):
+            if entry is not None:
+                self.cpu.counters.store_skipped += 1
+                out.append(None)
+            else:
+                entry = self.cpu.reserve(key, parent)
+                if entry is None:
+                    self.cpu.counters.store_refused += 1
+                    break
+                out.append(entry.page)
+                new.append(entry)
+            parent = key
+        return out + [None] * (len(keys) - len(out)), new
 
     def _reserve_state(self, keys: list[bytes], state: bool, out: list[int | None]) -> tuple[Entry | None, int | None]:
         """A state entry for the last key's checkpoint, when asked and the page is (being) stored.
@@ -295,9 +333,8 @@ class TierPolicy:
         wanted = [entry for entry in committed if ok and self.needs_write(entry)]
         to_write = wanted[: max(0, write_room)]
         for entry in to_write:
-            self.cpu.pin(entry)  # the write reads the entry's bytes; it must not be reused meanwhile
-        for entry in committed:
-            self._unpin_all([entry])
+            self.cpu.pin(entry)  # the write reads the entry's bytes; it must not be reused or moved meanwhile
+        self._unpin_all(committed)
         return Committed(to_write, len(wanted) - len(to_write))
 
     def needs_write(self, entry: Entry) -> bool:
@@ -312,8 +349,6 @@ class TierPolicy:
         self._unpin_all([entry])
 
     def _unpin_all(self, entries: list[Entry]) -> None:
-        """Unpin deepest first, so a chain's first pages end up most recent (evicted last)."""
+        """Unpin deepest first: a reservation left empty is dropped as a leaf, before its parent."""
         for entry in reversed(entries):
             self.cpu.unpin(entry)
-            if not entry.valid and entry.pins == 0:
-                self.cpu.drop(entry)

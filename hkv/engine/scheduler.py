@@ -52,6 +52,7 @@ class SchedulerLimits:
     eos_ids: frozenset[int]
     hybrid: bool = False  # the model has linear-attention state (one live slot per sequence)
     checkpoint_interval: int | None = None  # hybrid: prefill chunks end on multiples of this
+    tier_checkpoint_interval: int | None = None  # hybrid with tiers: interior prefixes copied out on multiples of this
 
 
 @dataclass
@@ -412,7 +413,8 @@ class Scheduler:
             published = self.coord.publish(seq.req_id, seq.all_ids(), end, checkpoint=True, rolling=not kept)
             # ahead of this plan's admissions: a RestoreCheckpoint from a moved checkpoint reads the new state
             self._ops.extend(published.ops)
-            if kept:
+            tier_interval = self.limits.tier_checkpoint_interval  # the tiers keep fewer interior checkpoints
+            if end == len(seq.prompt_ids) // ps * ps or (tier_interval and end % tier_interval == 0):
                 self._offload(seq)
 
     def _offload(self, seq: Sequence) -> None:

@@ -88,7 +88,8 @@ class TierClient:
         keys = self.keys(known, prompt_ids, pages)
         lookup_id = next(self._ids)
         self.waiting_lookups[lookup_id] = req_id
-        self.outbox.append(TierLookup(lookup_id, first, keys[first:], self.hybrid))
+        parent = keys[first - 1] if first else None
+        self.outbox.append(TierLookup(lookup_id, first, keys[first:], self.hybrid, parent))
         return True
 
     def found(self, msg: TierFound) -> tuple[int, TierHit | None] | None:

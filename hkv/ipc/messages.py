@@ -122,6 +122,7 @@ class TierLookup(msgspec.Struct, frozen=True, tag="tier_lookup"):
     first: int  # page index of keys[0] (pages before it are on the device)
     keys: list[bytes]  # 16-byte page keys, in sequence order
     need_state: bool  # hybrid: the run must end at a page that carries a checkpoint
+    parent: bytes | None = None  # the key of page first - 1 (None when first == 0): the run's place in its chain
 
 
 class TierRelease(msgspec.Struct, frozen=True, tag="tier_release"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 REGION = "router_stats"
-VERSION = 2
+VERSION = 3
 
 FIELDS = (
     "steps",  # steps run
@@ -41,6 +41,7 @@ FIELDS = (
     "tier_offloads_skipped",  # counter: published prefixes not copied out (too many in flight)
     "flushes",  # counter: /cache/flush calls
     "page_size",  # constant: tokens per KV page
+    "radix_reachable_pages",  # gauge: cached pages a hit could reach (hybrid: up to a checkpoint), every <= 0.5 s
 )
 NBYTES = len(FIELDS) * 8
 

@@ -1,6 +1,6 @@
 """The CPU tier's shared-memory regions: the page pool and the cache worker's stats block.
 
-    cpu_tier  the page and checkpoint entries (hkv/storage/host_pool.py). The launcher
+    cpu_tier  page-size units holding pages and checkpoints (hkv/storage/host_pool.py). The launcher
               creates it; the cache worker decides which entry holds what, ranks copy
               entry contents and the worker reads and writes them for the disk tier.
               Its registry entry carries the HostLayout and the fingerprint root key.
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 TIER_REGION = "cpu_tier"
 TIER_STATS_REGION = "tiers"
 TIER_STATS_NBYTES = 64 * 1024
-VERSION = 1
+VERSION = 2  # 2: one budget of units (HostLayout.state_units), no fixed page/checkpoint split
 
 
 def registry_layout(layout: HostLayout, fingerprint: bytes) -> dict:

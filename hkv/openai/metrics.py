@@ -110,6 +110,33 @@ class _TierStatsCollector:
             yield CounterMetricFamily(name, doc_text, value=disk[key])
 
 
+class _CoverageCollector:
+    """Per tier: tokens whose pages it holds, and tokens a hit on it alone could reach (docs/tiers.md)."""
+
+    def __init__(self, engine: Callable[[], dict[str, float] | None], tiers: Callable[[], dict | None]):
+        self._engine = engine
+        self._tiers = tiers
+
+    def collect(self) -> Iterator[Metric]:
+        held = GaugeMetricFamily("hkv_cache_held_tokens", "Tokens whose KV pages a tier holds", labels=["tier"])
+        reach = GaugeMetricFamily("hkv_cache_reachable_tokens", "Tokens a prefix hit on a tier alone could reach: "
+                                  "pages held from a prompt's first page, down to a checkpoint on hybrid models",
+                                  labels=["tier"])  # fmt: skip
+        values = self._engine()
+        if values is not None:
+            page = values["page_size"]
+            held.add_metric(["gpu"], values["pages_cached"] * page)
+            reach.add_metric(["gpu"], values["radix_reachable_pages"] * page)
+        doc = self._tiers()
+        for tier in ("cpu", "disk"):
+            figures = doc.get(tier) if isinstance(doc, dict) else None
+            if isinstance(figures, dict):
+                held.add_metric([tier], figures["held_tokens"])
+                reach.add_metric([tier], figures["reachable_tokens"])
+        yield held
+        yield reach
+
+
 class ApiMetrics:
     def __init__(
         self,
@@ -138,6 +165,7 @@ class ApiMetrics:
         r.register(_MalformedCollector(malformed_sources))
         r.register(_EngineStatsCollector(engine_stats))
         r.register(_TierStatsCollector(tier_stats))
+        r.register(_CoverageCollector(engine_stats, tier_stats))
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

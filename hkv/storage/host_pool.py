@@ -1,18 +1,23 @@
-"""The CPU tier's page pool: page and checkpoint entries in one shared-memory buffer.
+"""The CPU tier's page pool: one shared-memory buffer of page-size units, pages and checkpoints in one budget.
 
 The cache worker decides which entry holds what; ranks copy contents between
 their device pools and these entries; the worker reads and writes whole
-entries for the disk tier. An entry is contiguous, so it is also one disk
-payload:
+entries for the disk tier. A page entry is one unit; a checkpoint (state)
+entry is one block of `state_units` units, k = ceil(state_bytes / page_bytes),
+its bytes at the start of the block (hkv/cache/slab.py says who holds which):
 
-    buffer  [ page entry 0 | page entry 1 | ... | page entry N-1 | state entry 0 | ... | state entry S-1 ]
-    page    [2 (K, V), kv_layers, page_size, kv_heads, head_dim]       model dtype
+    buffer  [ unit 0 | unit 1 | ... | unit k-1 | unit k | ... | unit N-1 ]
+    block   [ state entry 0 ................... | state entry 1 ....      ]
+    page    [2 (K, V), kv_layers, page_size, kv_heads, head_dim]       model dtype, one unit
     state   [conv: lin_layers, conv_dim, kernel-1][recurrent: lin_layers, v_heads, k_dim, v_dim]   fp32
 
-`HostPool` gives torch views in the device pools' axis order (layer first),
-so one `copy_blocks` call per tensor moves any list of pages or slots.
-`HostLayout.for_model` sizes the pool from KV and state layouts; the launcher
-gets those from a meta-device model (`tier_layout` in hkv/launcher.py).
+Every entry is contiguous, so it is also one disk payload. `HostPool` gives
+torch views in the device pools' axis order (layer first), so one
+`copy_blocks` call per tensor moves any list of pages or slots; page and
+state views alias the same bytes, and the worker never hands out a unit as
+a page while its block holds a checkpoint. `HostLayout.for_model` sizes the
+pool from KV and state layouts; the launcher gets those from a meta-device
+model (`tier_layout` in hkv/launcher.py).
 """
 
 from __future__ import annotations
@@ -26,15 +31,14 @@ from hkv.storage.kv_pool import KVLayout
 from hkv.storage.state_pool import StateLayout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ALIGN = 4096  # the state area starts on a page boundary, so each part can be pinned and viewed aligned
 
 
 @dataclass(frozen=True)
 class HostLayout:
     """Shapes of the CPU tier's entries; two pools (or a disk file) with equal `descriptor` interchange entries."""
 
-    num_pages: int  # page entries
-    num_states: int  # checkpoint entries (0 for dense models)
+    num_pages: int  # page-size units: page entry ids 0 .. num_pages-1 (a multiple of state_units)
+    state_units: int  # units one checkpoint takes (0 for dense models): state entry b is units [b*k, (b+1)*k)
     kv_layers: int
     page_size: int
     kv_heads: int
@@ -47,9 +51,19 @@ class HostLayout:
     k_dim: int = 0
     v_dim: int = 0
 
+    def __post_init__(self):
+        per_block = max(1, self.state_units)
+        if self.num_pages < 0 or self.num_pages % per_block:
+            raise ValueError(f"num_pages ({self.num_pages}) must be a multiple of state_units ({self.state_units})")
+        if (self.state_units > 0) != (self.lin_layers > 0):
+            raise ValueError("state_units must be > 0 exactly when the layout has linear-attention state")
+        if self.state_units and self.state_units * self.page_bytes < self.state_bytes:
+            raise ValueError(f"{self.state_units} units of {self.page_bytes} bytes cannot hold a "
+                             f"{self.state_bytes}-byte checkpoint")  # fmt: skip
+
     @classmethod
-    def for_model(cls, kv: KVLayout, state: StateLayout | None, budget_bytes: int, states_per_page: float) -> "HostLayout":
-        """Split `budget_bytes` into page and state entries: `states_per_page` checkpoints per page entry."""
+    def for_model(cls, kv: KVLayout, state: StateLayout | None, budget_bytes: int) -> "HostLayout":
+        """As many units as `budget_bytes` holds, in whole checkpoint blocks (a hybrid tier holds one at least)."""
         fields = dict(kv_layers=kv.num_layers, page_size=kv.page_size, kv_heads=kv.kv_heads,
                       head_dim=kv.head_dim, kv_dtype=kv.dtype)
         if state is not None:
@@ -57,16 +71,17 @@ class HostLayout:
                 raise ValueError(f"the CPU tier stores fp32 states, the state pool is {state.dtype}")
             fields.update(lin_layers=state.lin_layers, conv_dim=state.conv_dim, conv_width=state.kernel_size - 1,
                           v_heads=state.v_heads, k_dim=state.k_dim, v_dim=state.v_dim)
-        probe = cls(num_pages=1, num_states=1 if state is not None else 0, **fields)
-        share = states_per_page if state is not None else 0.0
-        room = max(0, budget_bytes - _ALIGN)
-        pages = int(room // (probe.page_bytes + share * probe.state_bytes))
-        states = math.floor(pages * share) if state is not None else 0
-        if state is not None and pages and states == 0:
-            # a hybrid hit needs a checkpoint: one state entry first, pages from what is left
-            pages = max(0, room - probe.state_bytes) // probe.page_bytes
-            states = 1 if pages else 0
-        return cls(num_pages=pages, num_states=states, **fields)
+        page_bytes = kv.bytes_per_page()  # the same bytes as a page entry (asserted below)
+        per_block = -(-state.bytes_per_slot // page_bytes) if state is not None else 1
+        units = max(0, budget_bytes) // page_bytes // per_block * per_block
+        layout = cls(num_pages=units, state_units=per_block if state is not None else 0, **fields)
+        assert layout.page_bytes == page_bytes and (state is None or layout.state_bytes == state.bytes_per_slot)
+        return layout
+
+    @property
+    def num_states(self) -> int:
+        """State entry ids: one per block of state_units units (0 for dense models)."""
+        return self.num_pages // self.state_units if self.state_units else 0
 
     @property
     def kv_shape(self) -> tuple[int, ...]:
@@ -90,12 +105,13 @@ class HostLayout:
         return (self.conv_numel + self.recurrent_numel) * 4
 
     @property
-    def state_offset(self) -> int:
-        return -(-self.num_pages * self.page_bytes // _ALIGN) * _ALIGN
+    def block_bytes(self) -> int:
+        """Bytes of one checkpoint block: state_units units (a checkpoint uses its first state_bytes)."""
+        return self.state_units * self.page_bytes
 
     @property
     def nbytes(self) -> int:
-        return self.state_offset + self.num_states * self.state_bytes
+        return self.num_pages * self.page_bytes
 
     @property
     def descriptor(self) -> str:
@@ -137,10 +153,11 @@ class HostPool:
             # [2L, N, P, H, D]: K's layers then V's, the axis order of KVPool.layers_view()
             self.kv_layers = self.pages.view(lay.num_pages, 2 * lay.kv_layers, *lay.kv_shape[2:]).transpose(0, 1)
         if lay.num_states:
-            states = torch.frombuffer(self.buffer, dtype=torch.float32, offset=lay.state_offset,
-                                      count=lay.num_states * lay.state_bytes // 4).view(lay.num_states, -1)
-            conv = states[:, : lay.conv_numel].view(lay.num_states, lay.lin_layers, lay.conv_dim, lay.conv_width)
-            rec = states[:, lay.conv_numel:].view(lay.num_states, lay.lin_layers, lay.v_heads, lay.k_dim, lay.v_dim)
+            # [S, block floats]: each checkpoint is the first state_bytes of its block
+            blocks = torch.frombuffer(self.buffer, dtype=torch.float32, count=lay.nbytes // 4).view(lay.num_states, -1)
+            conv = blocks[:, : lay.conv_numel].view(lay.num_states, lay.lin_layers, lay.conv_dim, lay.conv_width)
+            rec = blocks[:, lay.conv_numel : lay.conv_numel + lay.recurrent_numel]
+            rec = rec.view(lay.num_states, lay.lin_layers, lay.v_heads, lay.k_dim, lay.v_dim)
             self.conv = conv.transpose(0, 1)  # [lin, S, conv_dim, width]
             self.recurrent = rec.transpose(0, 1)  # [lin, S, v_heads, k_dim, v_dim]
 
@@ -157,7 +174,7 @@ class HostPool:
         lay = self.layout
         if not 0 <= entry < lay.num_states:
             raise IndexError(f"state entry {entry} out of range [0, {lay.num_states})")
-        start = lay.state_offset + entry * lay.state_bytes
+        start = entry * lay.block_bytes
         return self.buffer[start : start + lay.state_bytes]
 
     def release(self) -> None:

@@ -26,15 +26,17 @@ def key(i: int) -> bytes:
     return bytes([0x50 + i]) + i.to_bytes(15, "little")
 
 
-def layout(pages: int, states: int) -> HostLayout:
-    """Page entry: [2, 1 layer, 2 tokens, 1 head, 4] fp32 = 64 bytes; state entry: 2 + 4 floats = 24 bytes."""
-    return HostLayout(num_pages=pages, num_states=states, kv_layers=1, page_size=2, kv_heads=1, head_dim=4,
-                      kv_dtype="float32", lin_layers=1, conv_dim=2, conv_width=1, v_heads=1, k_dim=2, v_dim=2)
+def layout(units: int, hybrid: bool) -> HostLayout:
+    """Page entry: [2, 1 layer, 2 tokens, 1 head, 4] fp32 = 64 bytes; state entry (hybrid): 2 + 4 floats = 24
+    bytes, one unit."""
+    state = dict(lin_layers=1, conv_dim=2, conv_width=1, v_heads=1, k_dim=2, v_dim=2) if hybrid else {}
+    return HostLayout(num_pages=units, state_units=1 if hybrid else 0, kv_layers=1, page_size=2, kv_heads=1,
+                      head_dim=4, kv_dtype="float32", **state)  # fmt: skip
 
 
-def make_worker(tmp_path, pages=4, states=2, disk=True) -> CacheWorker:
+def make_worker(tmp_path, units=6, hybrid=True, disk=True) -> CacheWorker:
     """What CacheWorker.__init__ builds, minus the sockets."""
-    lay = layout(pages, states)
+    lay = layout(units, hybrid)
     worker = CacheWorker.__new__(CacheWorker)
     worker.layout = lay
     worker.host = HostPool(lay, memoryview(bytearray(lay.nbytes)))
@@ -42,7 +44,7 @@ def make_worker(tmp_path, pages=4, states=2, disk=True) -> CacheWorker:
     if disk:
         worker.disk = DiskTier(tmp_path / "disk", 10**6, FP, lay.descriptor, lay.page_bytes, lay.state_bytes)
         worker.disk.open()
-    worker.policy = TierPolicy(CpuTier(lay.num_pages, lay.num_states), worker.disk)
+    worker.policy = TierPolicy(CpuTier(lay.num_pages, lay.state_units, FP, worker.move_page), worker.disk)
     worker.stats_block = memoryview(bytearray(64 * 1024))
     worker.counters = WriteCounters()
     worker.lookups = asyncio.Queue(maxsize=1024)
@@ -100,7 +102,7 @@ def entry_file(w: CacheWorker, k: bytes, has_state: bool) -> str:
 def test_commit_ok_fills_and_queues_disk_writes(worker):
     w = worker()
     got = store(w, 1, [0, 1], state=True)
-    assert got == TierReserved(1, [0, 1], 0)
+    assert got == TierReserved(1, [0, 1], 2)
     cpu = w.policy.cpu
     entries = [cpu.get(key(i)) for i in range(2)]
     assert all(e is not None and e.valid for e in entries)
@@ -118,12 +120,12 @@ def test_commit_ok_fills_and_queues_disk_writes(worker):
 def test_a_new_checkpoint_of_a_page_on_disk_is_written_again(worker):
     async def body():
         w = worker()
-        store(w, 1, [0])
+        store(w, 1, [0, 1], state=True)
         await drain_writes(w)
         assert w.disk.contains(key(0)) and not w.disk.has_state(key(0))
         # the page is on disk: a state-only offload writes it again, now with its checkpoint
         got = store(w, 2, [0], state=True)
-        assert got == TierReserved(2, [None], 0) and w.writes.qsize() == 1 and w.counters.writes_queued == 2
+        assert got == TierReserved(2, [None], 3) and w.writes.qsize() == 1 and w.counters.writes_queued == 3
         await drain_writes(w)
         assert w.disk.has_state(key(0)) and w.policy.cpu.get(key(0)).pins == 0
 
@@ -133,7 +135,7 @@ def test_a_new_checkpoint_of_a_page_on_disk_is_written_again(worker):
 def test_queue_write_skips_when_the_queue_is_full(worker):
     w = worker()
     w.writes = asyncio.Queue(maxsize=1)
-    store(w, 1, [0, 1])
+    store(w, 1, [0, 1], state=True)
     assert w.counters.writes_queued == 1 and w.counters.writes_skipped == 1
     assert [w.policy.cpu.get(key(i)).pins for i in range(2)] == [1, 0]
     w.policy.cpu.check()
@@ -141,12 +143,12 @@ def test_queue_write_skips_when_the_queue_is_full(worker):
 
 def test_no_disk_no_writes(worker):
     w = worker(disk=False)
-    store(w, 1, [0])
+    store(w, 1, [0], state=True)
     assert w.writes.empty() and w.policy.cpu.get(key(0)).pins == 0
 
 
 async def test_lookup_prefetches_disk_entries_into_fresh_cpu_entries(worker):
-    w = worker()
+    w = worker(hybrid=False)
     store(w, 1, [0])
     await drain_writes(w)
     for i in (1, 2):
@@ -173,9 +175,9 @@ async def test_lookup_prefetches_a_checkpoint_from_disk(worker):
     assert w.disk.write(key(1), page_bytes(1), state_bytes(1))
     found = await w.lookup(TierLookup(1, 0, [key(0), key(1)], True))
     w.policy.cpu.check()
-    assert found == TierFound(1, 0, [0, 1], [True, True], 0)
-    assert bytes(w.host.state_view(0)) == state_bytes(1) and bytes(w.host.page_view(1)) == page_bytes(1)
-    assert w.policy.cpu.get(key(1)).state == 0 and w.policy.cpu.get(key(0)).state is None
+    assert found == TierFound(1, 0, [0, 1], [True, True], 2)
+    assert bytes(w.host.state_view(2)) == state_bytes(1) and bytes(w.host.page_view(1)) == page_bytes(1)
+    assert w.policy.cpu.get(key(1)).state == 2 and w.policy.cpu.get(key(0)).state is None
     w.policy.release(1)
     w.policy.cpu.check()
 
@@ -192,15 +194,15 @@ async def test_hybrid_lookup_cuts_back_when_the_checkpoint_read_fails(worker):
     found = await w.lookup(TierLookup(2, 0, [key(0), key(1)], True))
     cpu = w.policy.cpu
     cpu.check()
-    assert found == TierFound(2, 0, [0], [False], 0)
+    assert found == TierFound(2, 0, [0], [False], 1)
     assert w.policy.counters.disk_read_failed == 1 and key(1) not in cpu.entries and not w.disk.contains(key(1))
-    assert (cpu.free_pages, cpu.free_states) == (3, 1)
+    assert (cpu.free_pages, cpu.free_states) == (4, 4)
     w.policy.release(2)
     cpu.check()
 
 
 async def test_lookup_stops_at_a_corrupt_disk_file(worker):
-    w = worker()
+    w = worker(hybrid=False)
     store(w, 1, [0])
     await drain_writes(w)
     for i in (1, 2):
@@ -214,7 +216,7 @@ async def test_lookup_stops_at_a_corrupt_disk_file(worker):
     cpu.check()
     assert found == TierFound(3, 0, [0], [False], None)
     assert w.policy.counters.disk_read_failed == 1 and w.policy.counters.hit_pages_disk == 0
-    assert key(1) not in cpu.entries and key(2) not in cpu.entries and cpu.free_pages == 3
+    assert key(1) not in cpu.entries and key(2) not in cpu.entries and cpu.free_pages == 5
     assert not w.disk.contains(key(1)) and w.disk.contains(key(2)) and w.disk.stats()["corrupt"] == 1
     w.policy.release(3)
     cpu.check()
@@ -222,7 +224,7 @@ async def test_lookup_stops_at_a_corrupt_disk_file(worker):
 
 
 async def test_lookups_that_find_nothing_or_break_the_contract_answer_empty(worker):
-    w = worker(disk=False)
+    w = worker(hybrid=False, disk=False)
     store(w, 1, [0])
     assert await w.lookup(TierLookup(1, 3, [key(1)], False)) == TierFound(1, 3, [], [], None)
     assert await w.lookup(TierLookup(2, 3, [key(0)], False)) == TierFound(2, 3, [0], [False], None)
@@ -245,7 +247,7 @@ async def test_flush_drops_unpinned_cpu_entries_and_disk_files(worker):
 
 
 async def test_flush_without_a_disk(worker):
-    w = worker(disk=False)
+    w = worker(hybrid=False, disk=False)
     store(w, 1, [0])
     assert await w.flush(2) == TierFlushed(2, 1, 0, 0)
 
@@ -257,17 +259,36 @@ def test_stats_shape(worker):
     assert set(doc) == {"cpu", "disk", "malformed"} and doc["malformed"] == 0
     cpu = doc["cpu"]
     assert set(cpu) == {
-        "pages", "states", "page_bytes", "state_bytes", "stores", "state_stores", "store_skipped", "store_refused",
-        "evicted_pages", "evicted_states", "rolled_back", "lookups", "hit_pages",
+        "pages", "states", "page_bytes", "state_bytes", "budget_bytes", "state_units", "held_tokens",
+        "reachable_tokens", "stores", "state_stores", "store_skipped", "store_refused", "evicted_pages",
+        "evicted_states", "pruned_pages", "pruned_states", "moved_pages", "rolled_back", "lookups", "hit_pages",
     }  # fmt: skip
-    assert cpu["pages"] == {"total": 4, "free": 2, "cached": 0, "in_use": 2}  # pinned by their disk writes
-    assert cpu["states"] == {"total": 2, "free": 1, "cached": 0, "in_use": 1}
+    # one budget of 6 units: 2 pages (pinned by their disk writes) and a checkpoint
+    assert cpu["pages"] == {"total": 5, "free": 3, "cached": 0, "in_use": 2}
+    assert cpu["states"] == {"total": 4, "free": 3, "cached": 0, "in_use": 1}
     assert (cpu["page_bytes"], cpu["state_bytes"], cpu["stores"], cpu["state_stores"]) == (64, 24, 2, 1)
+    assert (cpu["budget_bytes"], cpu["state_units"], cpu["held_tokens"], cpu["reachable_tokens"]) == (384, 1, 4, 4)
     disk = doc["disk"]
     assert {"files", "bytes", "budget_bytes", "dir", "hit_pages", "read_failed", "write_queue", "writes_queued",
-            "writes_skipped"} <= set(disk)  # fmt: skip
+            "writes_skipped", "held_tokens", "reachable_tokens"} <= set(disk)  # fmt: skip
     assert (disk["write_queue"], disk["writes_queued"], disk["files"]) == (2, 2, 0)
+    assert (disk["held_tokens"], disk["reachable_tokens"]) == (0, 0)
     assert disk["dir"] == str(w.disk.directory)
     w.write_stats()
     assert json_block.read(w.stats_block) == doc
     assert worker(disk=False).stats()["disk"] is None
+
+
+async def test_disk_coverage_follows_the_chains_written(worker):
+    w = worker()
+    store(w, 1, [0, 1], state=True)
+    await drain_writes(w)
+    disk = w.stats()["disk"]
+    assert (disk["files"], disk["held_tokens"], disk["reachable_tokens"]) == (2, 4, 4)  # parents come with writes
+
+
+def test_move_page_copies_an_entry_for_compaction(worker):
+    w = worker()
+    w.host.page_view(1)[:] = page_bytes(7)
+    w.move_page(1, 4)
+    assert bytes(w.host.page_view(4)) == page_bytes(7)

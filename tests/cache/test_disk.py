@@ -317,23 +317,57 @@ def test_failed_rename_leaves_no_temp_file(tmp_path, monkeypatch):
     assert counts(tier, "write_errors", "files") == (1, 0)
 
 
-def test_eviction_is_least_recently_used_first(tmp_path):
+def test_eviction_is_least_recently_used_first_files_used_once_before_those_used_again(tmp_path):
     tier = tier_at(tmp_path, budget=2 * PLAIN + STATEFUL)
     tier.write(key(0), kv(0), None)
     tier.write(key(1), kv(1), st(1))
     tier.write(key(2), kv(2), None)
-    read(tier, key(0))  # a hit: key 0 is now the most recent
+    read(tier, key(0))  # a hit: key 0 is used again, it goes after every file used once
     assert tier.write(key(0), kv(0), None) is False  # a no-op write touches too
     tier.write(key(3), kv(3), None)  # needs PLAIN: evicts key 1 (STATEFUL)
     assert [tier.contains(key(i)) for i in range(4)] == [True, False, True, True]
     tier.write(key(4), kv(4), st(4))  # evicting key 2 (PLAIN) makes exactly enough room
     assert [tier.contains(key(i)) for i in range(5)] == [True, False, False, True, True]
-    tier.write(key(5), kv(5), None)  # then key 0
-    assert [tier.contains(key(i)) for i in range(6)] == [False, False, False, True, True, True]
-    tier.write(key(6), kv(6), st(6))  # one key is not enough: key 3, then key 4
-    assert [tier.contains(key(i)) for i in range(7)] == [False] * 5 + [True, True]
-    assert counts(tier, "evictions", "files", "bytes") == (5, 2, PLAIN + STATEFUL)
-    assert entry_files(tmp_path) == sorted([f"{key(5).hex()}.hkvp", f"{key(6).hex()}-s.hkvp"])
+    tier.write(key(5), kv(5), None)  # then key 3, not key 0
+    assert [tier.contains(key(i)) for i in range(6)] == [True, False, False, False, True, True]
+    tier.write(key(6), kv(6), st(6))  # key 4 (STATEFUL, used once) makes the room
+    assert [tier.contains(key(i)) for i in range(7)] == [True] + [False] * 4 + [True, True]
+    tier.write(key(7), kv(7), st(7))  # one key is not enough: key 5, then key 6 (both used once)
+    assert [tier.contains(key(i)) for i in range(8)] == [True] + [False] * 6 + [True]
+    assert counts(tier, "evictions", "files", "bytes") == (6, 2, PLAIN + STATEFUL)
+    assert entry_files(tmp_path) == sorted([f"{key(0).hex()}.hkvp", f"{key(7).hex()}-s.hkvp"])
+    tier.check_integrity()
+
+
+def test_eviction_with_known_chains_goes_by_usable_prefix(tmp_path):
+    """Chain A: 0-1-2 (checkpoint after 2); chain B: 3-4 (checkpoint after 3, page 4 beyond it).
+    A file another one needs as its prefix stays; a page past its chain's deepest checkpoint goes first."""
+    tier = tier_at(tmp_path, budget=3 * PLAIN + 2 * STATEFUL)
+    tier.write(key(0), kv(0), None, FP)
+    tier.write(key(1), kv(1), None, key(0))
+    tier.write(key(2), kv(2), st(2), key(1))
+    tier.write(key(3), kv(3), st(3), FP)
+    tier.write(key(4), kv(4), None, key(3))
+    assert tier.coverage() == (5, 4)  # page 4 lies beyond B's checkpoint
+    order = []
+    for new in range(10, 15):
+        tier.write(key(new), kv(new), None)  # unknown chain: ranked by use
+        order += [i for i in range(5) if not tier.contains(key(i)) and i not in order]
+    assert order == [4, 2, 1, 0, 3]
+    tier.check_integrity()
+
+
+def test_a_lookup_teaches_a_reopened_tier_its_chains(tmp_path):
+    tier = tier_at(tmp_path)
+    tier.write(key(0), kv(0), None, FP)
+    tier.write(key(1), kv(1), st(1), key(0))
+    assert tier.coverage() == (2, 2)
+    tier = tier_at(tmp_path)  # a restart: the parents are not in the files
+    assert tier.coverage() == (2, 0)
+    tier.link(key(0), FP)
+    tier.link(key(1), key(0))
+    tier.link(key(9), key(1))  # not on disk: nothing to learn
+    assert tier.coverage() == (2, 2)
     tier.check_integrity()
 
 

@@ -121,6 +121,23 @@ def test_hybrid_pages_without_a_checkpoint_go_first():
     assert [n.pages for n in (tree.evict_leaf(), tree.evict_leaf())] == [(2, 3), (0, 1)]
 
 
+def test_a_chain_is_shortened_from_its_deep_end_pages_beyond_its_deepest_checkpoint_first():
+    """The device follows the lower tiers' rule (DESIGN section 4): chain B is older (one checkpoint at
+    its end); chain A has checkpoints after 2 and 4 tokens and pages up to 6, beyond its deepest one."""
+    tree = RadixTree(page_size=1)
+    b = insert(tree, [9, 9], [10, 11]).node
+    tree.attach_checkpoint(b, slot=0, window=None)
+    a2 = insert(tree, [1, 2], [0, 1]).node
+    tree.attach_checkpoint(a2, slot=1, window=None)
+    a4 = insert(tree, [1, 2, 3, 4], [0, 1, 2, 3]).node
+    tree.attach_checkpoint(a4, slot=2, window=None)
+    insert(tree, [1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5])
+    assert (tree.cached_pages, tree.pages_under_checkpoints()) == (8, 6)  # A's tail serves no hybrid hit
+    # the newest pages go first (useless), then the least recently used chain, then A from its deep end
+    assert evict_all(tree) == [(4, 5), (10, 11), (2, 3), (0, 1)]
+    assert tree.num_checkpoints == 0 and tree.pages_under_checkpoints() == 0
+
+
 def test_match_reports_the_deepest_checkpoint_within_the_limit():
     tree = RadixTree(page_size=2)
     mid = insert(tree, [1, 2, 3, 4], [0, 1]).node

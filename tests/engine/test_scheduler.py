@@ -293,3 +293,42 @@ def test_hybrid_preemption_resumes_from_the_rolling_checkpoint():
         ("SaveCheckpoint", 1, 4, 8), ("SaveCheckpoint", 1, 4, 12), ("RestoreCheckpoint", 4, 0, 12),
         ("SaveCheckpoint", 0, 4, 16),
     ]  # fmt: skip
+
+
+class OffloadLog:
+    """A stand-in TierClient that finds nothing and records the published length of every copy out."""
+
+    def __init__(self):
+        self.sched: Scheduler | None = None
+        self.lengths: list[int] = []
+
+    def lookup(self, req_id, known, prompt_ids, device_hit) -> bool:
+        return False
+
+    def offload(self, req_id, known, token_ids) -> bool:
+        self.lengths.append(self.sched.coord.hold(req_id).length)
+        return True
+
+    def plan_built(self, step) -> None:
+        pass
+
+    def step_done(self, step, ok) -> None:
+        pass
+
+    def forget_lookup(self, req_id) -> None:
+        pass
+
+
+def test_a_hybrid_prefix_is_copied_out_at_tier_checkpoints_prompt_end_and_finish():
+    """Checkpoint interval 8, tier interval 16: the device keeps a checkpoint at 8, 16 and 24, the tiers
+    get 16, the prompt's last page boundary (28), decode crossing 32 and the finish at 32 (already held)."""
+    layout = TableLayout(slots=4, max_pages=64)
+    table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
+    limits = SchedulerLimits(4, 4, 8, 256, frozenset({EOS}), True, 8, tier_checkpoint_interval=16)
+    tiers = OffloadLog()
+    sched = Scheduler(limits, CacheCoordinator(CacheSpec(4, 32, 12, 0, True, 8, True)), table, tiers)
+    tiers.sched = sched
+    sched.add(req(1, 30, max_tokens=4))
+    while sched.has_work():
+        step(sched)
+    assert tiers.lengths == [16, 28, 32, 32]

@@ -8,7 +8,7 @@ from hkv.storage.host_pool import HostLayout
 
 from tests.shm_helpers import fresh_instance
 
-LAYOUT = HostLayout(num_pages=3, num_states=1, kv_layers=1, page_size=2, kv_heads=1, head_dim=4, kv_dtype="float32",
+LAYOUT = HostLayout(num_pages=3, state_units=1, kv_layers=1, page_size=2, kv_heads=1, head_dim=4, kv_dtype="float32",
                     lin_layers=1, conv_dim=2, conv_width=1, v_heads=1, k_dim=2, v_dim=2)
 ROOT = bytes(range(16))
 

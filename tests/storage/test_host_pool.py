@@ -15,9 +15,9 @@ CONV_NUMEL, REC_NUMEL = 3 * 6 * 2, 3 * 2 * 3 * 2  # 36 + 36 floats
 STATE_BYTES = (CONV_NUMEL + REC_NUMEL) * 4  # 288
 
 
-def hybrid_layout(pages=10) -> HostLayout:
-    """Half a checkpoint per page: 400 bytes per page entry."""
-    return HostLayout.for_model(KV, STATE, 4096 + pages * (PAGE_BYTES + STATE_BYTES // 2), 0.5)
+def hybrid_layout(units=10) -> HostLayout:
+    """`units` page units of 256 bytes; a 288-byte checkpoint takes a block of two."""
+    return HostLayout.for_model(KV, STATE, units * PAGE_BYTES)
 
 
 def pool_of(layout: HostLayout) -> HostPool:
@@ -29,62 +29,60 @@ def floats(view) -> torch.Tensor:
     return torch.frombuffer(bytearray(view), dtype=torch.float32)
 
 
-def test_for_model_splits_the_budget_into_pages_and_states():
+def test_for_model_makes_one_budget_of_units_in_whole_checkpoint_blocks():
     lay = hybrid_layout(10)
-    assert (lay.num_pages, lay.num_states) == (10, 5)
+    assert (lay.num_pages, lay.state_units, lay.num_states) == (10, 2, 5)
     assert (lay.kv_layers, lay.page_size, lay.kv_heads, lay.head_dim, lay.kv_dtype) == (2, 2, 2, 4, "float32")
     assert (lay.lin_layers, lay.conv_dim, lay.conv_width, lay.v_heads, lay.k_dim, lay.v_dim) == (3, 6, 2, 2, 3, 2)
     assert lay.kv_shape == (2, 2, 2, 2, 4)
-    assert (lay.page_bytes, lay.state_bytes) == (PAGE_BYTES, STATE_BYTES)
+    assert (lay.page_bytes, lay.state_bytes, lay.block_bytes) == (PAGE_BYTES, STATE_BYTES, 2 * PAGE_BYTES)
     assert (lay.conv_numel, lay.recurrent_numel) == (CONV_NUMEL, REC_NUMEL)
-    # the state area starts on the next 4 KiB boundary after the pages
-    assert lay.state_offset == 4096 and lay.nbytes == 4096 + 5 * STATE_BYTES
-    big = hybrid_layout(20)
-    assert (big.num_pages, big.num_states) == (20, 10)
-    assert big.state_offset == 8192 and big.nbytes == 8192 + 10 * STATE_BYTES
-    assert HostLayout(**big.to_dict()) == big
+    assert lay.nbytes == 10 * PAGE_BYTES
+    odd = HostLayout.for_model(KV, STATE, 11 * PAGE_BYTES + 100)
+    assert (odd.num_pages, odd.num_states) == (10, 5)  # no half block
+    assert HostLayout(**lay.to_dict()) == lay
 
 
 def test_for_model_fits_the_budget_it_was_given():
-    for pages in (1, 3, 10, 16, 40):
-        budget = 4096 + pages * (PAGE_BYTES + STATE_BYTES // 2)
-        assert HostLayout.for_model(KV, STATE, budget, 0.5).nbytes <= budget
-        assert HostLayout.for_model(KV, None, budget, 0.5).nbytes <= budget
+    for budget in (0, 255, 256, 511, 512, 1000, 4096, 10**5):
+        assert HostLayout.for_model(KV, STATE, budget).nbytes <= budget
+        assert HostLayout.for_model(KV, None, budget).nbytes <= budget
 
 
-def test_for_model_never_exceeds_the_budget_with_a_small_state_share():
+def test_a_hybrid_budget_below_one_checkpoint_block_holds_nothing():
     big_state = StateLayout(lin_layers=4, num_slots=1, conv_dim=6, kernel_size=3, v_heads=4, k_dim=8, v_dim=8)
-    budget = 4096 + 300  # one page entry (256 B) plus a hundredth of a 4288-byte state
-    lay = HostLayout.for_model(KV, big_state, budget, 0.01)
-    # a page without a checkpoint is useless to a hybrid model, and a checkpoint does not fit
-    assert (lay.num_pages, lay.num_states, lay.state_bytes) == (0, 0, 4288)
-    assert lay.nbytes <= budget, f"{lay.nbytes} bytes for a budget of {budget}"
-    roomy = HostLayout.for_model(KV, big_state, 4096 + 4288 + 3 * 256, 0.01)
-    assert (roomy.num_pages, roomy.num_states) == (3, 1) and roomy.nbytes <= 4096 + 4288 + 3 * 256
+    lay = HostLayout.for_model(KV, big_state, 16 * PAGE_BYTES + 255)  # a 4288-byte checkpoint takes 17 units
+    assert (lay.num_pages, lay.num_states, lay.state_units, lay.state_bytes) == (0, 0, 17, 4288)
+    roomy = HostLayout.for_model(KV, big_state, 17 * PAGE_BYTES)
+    assert (roomy.num_pages, roomy.num_states) == (17, 1)
 
 
 def test_for_model_dense_has_no_state():
-    lay = HostLayout.for_model(KV, None, 4096 + 5 * PAGE_BYTES + 100, 0.7)
-    assert (lay.num_pages, lay.num_states, lay.lin_layers, lay.state_bytes) == (5, 0, 0, 0)
-    assert lay.nbytes == lay.state_offset == 4096
+    lay = HostLayout.for_model(KV, None, 5 * PAGE_BYTES + 100)
+    assert (lay.num_pages, lay.state_units, lay.num_states, lay.lin_layers, lay.state_bytes) == (5, 0, 0, 0, 0)
+    assert lay.nbytes == 5 * PAGE_BYTES
     assert lay.descriptor == "kv:2x2x2x2x4:float32"
 
 
-def test_for_model_with_too_small_a_budget_has_no_entries():
-    for budget in (0, 4095, 4096, 4096 + PAGE_BYTES - 1):
-        lay = HostLayout.for_model(KV, STATE, budget, 0.5)
-        assert (lay.num_pages, lay.num_states) == (0, 0)
+def test_a_layout_must_hold_its_checkpoints_in_whole_blocks():
+    fields = hybrid_layout(10).to_dict()
+    with pytest.raises(ValueError, match="multiple of state_units"):
+        HostLayout(**{**fields, "num_pages": 9})
+    with pytest.raises(ValueError, match="cannot hold"):
+        HostLayout(**{**fields, "state_units": 1})
+    with pytest.raises(ValueError, match="exactly when"):
+        HostLayout(**{**fields, "state_units": 0})
 
 
 def test_for_model_refuses_a_non_fp32_state_pool():
     with pytest.raises(ValueError, match="fp32 states"):
-        HostLayout.for_model(KV, StateLayout(**{**STATE.__dict__, "dtype": "bfloat16"}), 10**6, 0.5)
+        HostLayout.for_model(KV, StateLayout(**{**STATE.__dict__, "dtype": "bfloat16"}), 10**6)
 
 
 def test_descriptor_names_the_entry_shape_not_the_counts():
     small, big = hybrid_layout(3), hybrid_layout(30)
     assert small.descriptor == big.descriptor == "kv:2x2x2x2x4:float32|state:conv3x6x2+rec3x2x3x2:float32"
-    bf16 = HostLayout.for_model(KVLayout(**{**KV.__dict__, "dtype": "bfloat16"}), STATE, 10**5, 0.5)
+    bf16 = HostLayout.for_model(KVLayout(**{**KV.__dict__, "dtype": "bfloat16"}), STATE, 10**5)
     assert bf16.descriptor != small.descriptor and bf16.page_bytes == PAGE_BYTES // 2
 
 
@@ -130,10 +128,11 @@ def test_conv_and_recurrent_alias_exactly_their_state_entry_bytes():
     conv, rec = entry[:CONV_NUMEL].view(3, 6, 2), entry[CONV_NUMEL:].view(3, 2, 3, 2)
     assert (conv[2] == 3).all() and not conv[:2].any()
     assert (rec[0] == 5).all() and not rec[1:].any()
-    # nothing outside state entry 1 changed
+    # nothing outside state entry 1 (the first bytes of block 1: units 2 and 3) changed
     raw = bytes(host.buffer)
-    start = lay.state_offset + STATE_BYTES
+    start = lay.block_bytes
     assert not any(raw[:start]) and not any(raw[start + STATE_BYTES :])
+    assert bytes(host.page_view(2)) == raw[start : start + PAGE_BYTES]  # the same bytes as page units 2 and 3
     # and back: bytes written to the entry show through the views
     host.state_view(4)[:] = torch.arange(72, dtype=torch.float32).numpy().tobytes()
     assert torch.equal(host.conv[:, 4].reshape(-1), torch.arange(36, dtype=torch.float32))
@@ -141,7 +140,7 @@ def test_conv_and_recurrent_alias_exactly_their_state_entry_bytes():
 
 
 def test_dense_pool_has_no_state_views():
-    lay = HostLayout.for_model(KV, None, 4096 + 5 * PAGE_BYTES, 0.5)
+    lay = HostLayout.for_model(KV, None, 5 * PAGE_BYTES)
     host = pool_of(lay)
     assert host.conv is None and host.recurrent is None and host.k.shape == (2, 5, 2, 2, 4)
     with pytest.raises(IndexError, match="state entry 0 out of range"):
@@ -149,7 +148,7 @@ def test_dense_pool_has_no_state_views():
 
 
 def test_a_pool_without_entries_has_no_views():
-    lay = HostLayout.for_model(KV, STATE, 100, 0.5)
+    lay = HostLayout.for_model(KV, STATE, 100)
     host = HostPool(lay, memoryview(bytearray(lay.nbytes)))
     assert host.pages is None and host.k is None and host.conv is None
 
