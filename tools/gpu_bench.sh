@@ -16,8 +16,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 MODEL=${BENCH_MODEL:-/tmp/bench_model}  # made here unless it exists
 DEVICE=${DEVICE:-cuda}
 # SMOKE=1: the same script at toy sizes on a CPU server (checks the script itself, not hkv)
-if [[ -n ${SMOKE:-} ]]; then IN=64 GEN=4 LONG=600 LEVELS="1 4" VOCAB=1536 MEM=(); else
-  IN=512 GEN=128 LONG=30000 LEVELS="1 32 64" VOCAB=151936 MEM=(--gpu-memory-fraction 0.8); fi
+if [[ -n ${SMOKE:-} ]]; then IN=64 GEN=4 LONG=600 LEVELS="1 4" VOCAB=1536 MEM=() TIER_PROMPT=256 TIER_GB=0.05 TIER_TOKENS=2048; else
+  IN=512 GEN=128 LONG=30000 LEVELS="1 32 64" VOCAB=151936 MEM=(--gpu-memory-fraction 0.8) TIER_PROMPT=8192 TIER_GB=16 TIER_TOKENS=24576; fi
 LOG="$OUT/gpu_bench.log"
 PORT=8100
 SERVER_PID=
@@ -87,8 +87,6 @@ if wants i11 || wants i12; then
       --system-len 2048 --question-len 128 --output-len 32 --concurrency 32 --warmup 0
     wants i12 && bench i12_nocache --workload random --input-len "$LONG" --range-ratio 1 --output-len 2 \
       --num-prompts 2 --concurrency 1 --warmup 1
-    wants i13 && [[ -f tools/bench_tier_coverage.py ]] && timeout 200 python3 -m tools.bench_tier_coverage \
-      --url "http://127.0.0.1:$PORT" --json /tmp/res_i13_nocache.json 2>&1 | tail -12 | tee -a "$LOG"
     stop
   }
   merge i11
@@ -102,11 +100,17 @@ if wants i12; then
   }
   merge i12
 fi
-if wants i13 && [[ -f tools/bench_tier_coverage.py ]]; then
-  say "server: --cpu-cache-gb 16 --max-total-tokens 24576"
-  start s_tiers --max-running-requests 64 --cpu-cache-gb 16 --max-total-tokens 24576 && {
-    timeout 240 python3 -m tools.bench_tier_coverage --url "http://127.0.0.1:$PORT" \
-      --json /tmp/res_i13_tiers.json 2>&1 | tail -20 | tee -a "$LOG"
+if wants i13; then
+  say "servers: --cpu-cache-gb 16 --max-total-tokens 24576 and --no-prefix-cache, side by side"
+  start s_tiers --max-running-requests 8 --cpu-cache-gb "$TIER_GB" --max-total-tokens "$TIER_TOKENS" && {
+    tiers_pid=$SERVER_PID
+    PORT=$((PORT + 1)) start s_nocache2 --max-running-requests 8 --no-prefix-cache --max-total-tokens "$TIER_TOKENS" && {
+      timeout 300 python3 -m tools.bench_tier_coverage --url "http://127.0.0.1:$PORT" \
+        --baseline-url "http://127.0.0.1:$((PORT + 1))" --prompt-tokens "$TIER_PROMPT" --others 6 30 --tail 64 \
+        --vocab "$VOCAB" --json /tmp/res_i13_tiers.json 2>&1 | tail -20 | tee -a "$LOG"
+      stop
+    }
+    SERVER_PID=$tiers_pid
     stop
   }
   merge i13
