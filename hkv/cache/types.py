@@ -157,6 +157,8 @@ class Grant:
     cached_tokens: tokens this transaction's match served from the cache.
     state_slots / window_slots: the request's live slots; index 0 is the live one.
     ops: cache ops for this step's plan, to run before its forward.
+    checkpoints: the in-chunk checkpoints reserved and not yet published, shallowest
+    first: the step's forward writes the state after `length` tokens into `slot`.
     """
 
     req_id: int
@@ -167,6 +169,7 @@ class Grant:
     state_slots: tuple[int, ...]
     window_slots: tuple[int, ...]
     ops: tuple[CacheOp, ...]
+    checkpoints: tuple[CheckpointRef, ...] = ()
 
 
 @dataclass(frozen=True)
