@@ -68,10 +68,9 @@ class CheckpointPlacement:
         A node that has a checkpoint already keeps it (permanent now, if it was the
         request's rolling one) and the slot goes back to the pool.
         """
-        old_pending = req.pending
-        req.pending = {depth: slot for depth, slot in old_pending.items() if depth != node.depth}
-        self._log(lambda: setattr(req, "pending", old_pending))
-        slot = old_pending[node.depth]
+        depth = node.depth
+        slot = req.pending.pop(depth)
+        self._log(lambda: req.pending.__setitem__(depth, slot))  # readers sort the pending depths
         if node.checkpoint is None:
             ckpt = self.tree.attach_checkpoint(node, slot, None)
             self._log(lambda: self.tree.detach_checkpoint(ckpt))

@@ -28,7 +28,8 @@ class CacheSpec:
     hybrid: the model has linear-attention layers, so a prefix is only usable
         up to a node that carries a state checkpoint.
     checkpoint_interval: tokens between prompt checkpoints (a multiple of
-        page_size); the scheduler ends prefill chunks on these boundaries.
+        page_size; the config also makes it one of 64, the GDN chunk, so the
+        boundaries inside a prefill chunk are kept from its forward).
     prefix_cache: False turns reuse off: match finds nothing, publish keeps nothing.
     """
 

@@ -433,11 +433,15 @@ class Scheduler:
         return deltas
 
     def _publish_in_chunk(self, seq: Sequence, chunk: Chunk) -> None:
-        """Publish the checkpoints the forward kept inside the chunk, shallowest first; each is an
-        interval boundary, so it is copied out to the CPU tier as it publishes."""
-        all_ids = seq.all_ids() if chunk.checkpoints else []
-        for tokens, _ in chunk.checkpoints:
-            self.coord.publish(seq.req_id, all_ids, chunk.start_pos + tokens, checkpoint=True)
+        """Publish the checkpoints the forward kept inside the chunk. Each is an interval boundary,
+        copied out to the CPU tier as it publishes; without tiers one publish at the deepest
+        attaches them all (a publish takes every pending checkpoint up to its depth)."""
+        if not chunk.checkpoints:
+            return
+        all_ids = seq.all_ids()
+        depths = [chunk.start_pos + tokens for tokens, _ in chunk.checkpoints]
+        for depth in depths if self.tiers is not None else depths[-1:]:
+            self.coord.publish(seq.req_id, all_ids, depth, checkpoint=True)
             self._offload(seq)
 
     def _publish(self, seq: Sequence, prefill: bool) -> None:

@@ -8,7 +8,8 @@ split anywhere continues exactly where it stopped. `gated_delta_rule_ref`
 loops them over a ragged batch whose states live in state-pool slots: prefill
 chunks take the chunked rule, single tokens the recurrent one, and
 `keep_slots` runs token by token keeping the state after every token
-(speculative verification).
+(speculative verification). In-chunk checkpoints (`checkpoints`) keep the
+carried state of the chunked pass at 64-token boundaries, adding no operation.
 
 Names: T new tokens, Hk / Hv key / value heads, Dk / Dv key / value head dims,
 S slots. The recurrent state is S[h] of shape [Dk, Dv]: a token reads
