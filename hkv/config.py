@@ -11,6 +11,7 @@ only module that reads environment variables.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+
+from hkv_kernels.gdn import GDN_CHUNK
 
 BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -231,8 +234,8 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
                    help="device KV capacity in tokens, a multiple of --page-size (default: 32768 on cpu; on cuda "
                         "what --gpu-memory-fraction leaves after weights, activations and state slots)")
     g.add_argument("--checkpoint-interval", type=_positive_int, default=None,
-                   help="hybrid models: tokens between saved linear-state checkpoints, a multiple of --page-size "
-                        "(default: 16 pages)")
+                   help="hybrid models: tokens between saved linear-state checkpoints, a multiple of both "
+                        "--page-size and 64, the GDN chunk (default: 16 pages, rounded up to such a multiple)")
     g.add_argument("--state-slots", type=_positive_int, default=None,
                    help="hybrid models: linear-state slots for live states and checkpoints together "
                         "(default: 3 x --max-running-requests on cpu, that + 64 on cuda)")
@@ -389,9 +392,12 @@ def _resolve_checkpoints(
             if value is not None:
                 raise ConfigError(f"{flag} applies to hybrid models only; {args.model} has no linear attention")
         return None, 0
-    interval = args.checkpoint_interval or 16 * args.page_size
-    if interval % args.page_size:
-        raise ConfigError(f"--checkpoint-interval ({interval}) must be a multiple of --page-size ({args.page_size})")
+    # checkpoints inside a prefill chunk fall on GDN chunk boundaries (docs/cache.md, "In-chunk checkpoints")
+    align = math.lcm(args.page_size, GDN_CHUNK)
+    interval = args.checkpoint_interval or -(-16 * args.page_size // align) * align
+    if interval % align:
+        raise ConfigError(f"--checkpoint-interval ({interval}) must be a multiple of {align}, the least common "
+                          f"multiple of --page-size ({args.page_size}) and the GDN chunk ({GDN_CHUNK} tokens)")
     # A checkpoint of a real model is tens of MiB (docs/sizing.md): be frugal on GPUs.
     slots = args.state_slots or (3 * max_running if on_cpu else max_running + 64)
     if slots < max_running or (slots == max_running and not args.no_prefix_cache):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hkv_kernels.meta import KernelMeta
+from hkv_kernels.meta import CheckpointMeta, KernelMeta
 
 
 def paged_attention(
@@ -59,36 +59,67 @@ def causal_conv1d(
     return causal_conv1d_triton(x, conv_state, weight, slots, meta, keep_slots=keep_slots)
 
 
+def conv_checkpoints(x: torch.Tensor, conv_state: torch.Tensor, checkpoints: CheckpointMeta) -> None:
+    """The conv state at each in-chunk checkpoint: conv_state[slots[i]] = the K-1 conv inputs before
+    rows[i], as [C, K-1] oldest first. x: [T, C] the conv inputs; conv_state: [S, C, K-1] one layer.
+    Torch indexing on either device (prefill steps are eager)."""
+    from hkv_kernels.conv1d.reference import conv_checkpoints_ref
+
+    conv_checkpoints_ref(x, conv_state, checkpoints.rows, checkpoints.slots)
+
+
 def gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     gate_params: tuple[torch.Tensor, torch.Tensor], state: torch.Tensor, slots: torch.Tensor, meta: KernelMeta,
-    keep_slots: torch.Tensor | None = None,
+    keep_slots: torch.Tensor | None = None, checkpoints: CheckpointMeta | None = None,
 ) -> torch.Tensor:
     """Ragged gated delta rule over state slots (qk l2norm on, scale Dk^-0.5), gates included.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; a, b: [T, Hv] the gate projections and gate_params =
     (A_log, dt_bias) [Hv] (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b));
-    state: [S, Hv, Dk, Dv] fp32 (updated); slots: [B] int tensor; keep_slots: None or [B, max_n].
+    state: [S, Hv, Dk, Dv] fp32 (updated); slots: [B] int tensor; keep_slots: None or [B, max_n];
+    checkpoints: the step's in-chunk checkpoints (not with keep_slots): the state after
+    checkpoints.tokens[i] tokens of sequence seq[i] is also written to slots[i].
     On CUDA: fla-core's chunk kernel when a sequence has > 1 token, inputs are bf16/fp16 (fla's
     fp32 path uses tf32 dots; fp32 serving is the exact parity mode), fla-core is installed and
-    no intermediate states are kept; hkv's recurrent kernel (gates fused in) otherwise.
-    Returns [T, Hv, Dv] in q's dtype.
+    no keep_slots are given (checkpoints go to fla_chunk's hook); hkv's recurrent kernel (gates
+    fused in) otherwise, with checkpoints as keep slots. Returns [T, Hv, Dv] in q's dtype.
     """
     from hkv_kernels.gdn.reference import gdn_gates_ref
 
+    if checkpoints is not None and keep_slots is not None:
+        raise ValueError("in-chunk checkpoints and keep_slots together")
     if not q.is_cuda:
         from hkv_kernels.gdn.reference import gated_delta_rule_ref
 
         g, beta = gdn_gates_ref(a, b, *gate_params)
-        return gated_delta_rule_ref(q, k, v, g, beta, state, meta.q_len.tolist(), slots.tolist(), keep_slots=keep_slots)
+        return gated_delta_rule_ref(q, k, v, g, beta, state, meta.q_len.tolist(), slots.tolist(), keep_slots=keep_slots,
+                                    checkpoints=() if checkpoints is None else checkpoints.entries)
     from hkv_kernels.gdn.fla_chunk import fla_available, gated_delta_rule_chunked
     from hkv_kernels.gdn.triton_recurrent import gated_delta_rule_recurrent
 
     chunked = keep_slots is None and q.dtype != torch.float32 and meta.max_q_len > 1
     if chunked and fla_available():
         g, beta = gdn_gates_ref(a, b, *gate_params)
-        return gated_delta_rule_chunked(q, k, v, g, beta, state, slots, meta)
+        return gated_delta_rule_chunked(q, k, v, g, beta, state, slots, meta, checkpoints=checkpoints)
+    if checkpoints is not None:
+        keep_slots = _checkpoint_keep_slots(slots, meta, checkpoints)
     return gated_delta_rule_recurrent(q, k, v, a, b, state, slots, meta, keep_slots=keep_slots, gate_params=gate_params)
+
+
+def _checkpoint_keep_slots(slots: torch.Tensor, meta: KernelMeta, checkpoints: CheckpointMeta) -> torch.Tensor:
+    """The recurrent kernel's keep slots [B, max_q_len] for in-chunk checkpoints (device ops, no sync):
+
+        token t of sequence b   0 ... tokens[i]-1 ... q_len[b]-1
+        keep[b, t]              -1    slots[i]   -1   slots[b]      (the live slot gets the final state)
+
+    A sequence with no new tokens runs no token, so what its row holds is never read.
+    """
+    num_seqs = slots.shape[0]
+    keep = torch.full((num_seqs, max(meta.max_q_len, 1)), -1, dtype=torch.int64, device=slots.device)
+    keep[torch.arange(num_seqs, device=slots.device), meta.q_len - 1] = slots.long()
+    keep[checkpoints.seq, checkpoints.tokens - 1] = checkpoints.slots
+    return keep
 
 
 def rms_norm(

@@ -92,6 +92,44 @@ class KernelMeta:
         return self.q_len.shape[0]
 
 
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """A prefill step's in-chunk checkpoints: int64 device views [N] (decode steps have none).
+
+    Checkpoint i keeps the linear state of sequence seq[i] after its first tokens[i] new
+    tokens (0 < tokens[i] < q_len[seq[i]], a multiple of GDN_CHUNK) in state slot slots[i],
+    every linear layer; rows[i] = q_start[seq[i]] + tokens[i], the flat row after it:
+
+        flat rows   [q_start ............ rows[i]) [rows[i] ...... q_start + q_len)
+        recurrent   the state after row rows[i] - 1 goes to slots[i]
+        conv        rows rows[i] - (K-1) .. rows[i] - 1 of the conv input, oldest first
+
+    entries: the host copy, (seq, tokens, slot) per checkpoint (CPU references loop over it).
+    """
+
+    seq: torch.Tensor
+    tokens: torch.Tensor
+    slots: torch.Tensor
+    rows: torch.Tensor
+    entries: tuple[tuple[int, int, int], ...]
+
+
+def checkpoint_arrays(entries: tuple[tuple[int, int, int], ...], q_start: np.ndarray) -> dict[str, np.ndarray]:
+    """CheckpointMeta's arena fields for `entries` ((seq, tokens, slot) triples; q_start: [B])."""
+    table = np.asarray(entries, dtype=np.int64).reshape(-1, 3)
+    return {"ckpt_seq": table[:, 0], "ckpt_tokens": table[:, 1], "ckpt_slots": table[:, 2],
+            "ckpt_rows": q_start[table[:, 0]] + table[:, 1]}
+
+
+def checkpoint_meta(views: dict[str, torch.Tensor], entries: tuple[tuple[int, int, int], ...]
+                    ) -> CheckpointMeta | None:
+    """CheckpointMeta over an arena's views (packed from checkpoint_arrays); None without checkpoints."""
+    if not entries:
+        return None
+    return CheckpointMeta(views["ckpt_seq"], views["ckpt_tokens"], views["ckpt_slots"], views["ckpt_rows"],
+                          tuple(entries))
+
+
 class StepArena:
     """A pinned host buffer and a device buffer of int64; `pack` lays out named arrays in both.
 

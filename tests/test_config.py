@@ -130,3 +130,19 @@ def test_the_tier_checkpoint_interval_is_a_multiple_for_hybrid_models_with_tiers
     with pytest.raises(ConfigError, match="hybrid models only"):
         parse_cli(["--device", "cpu", "--model", str(tiny_dense_folder()), "--cpu-cache-gb", "1",
                    "--tier-checkpoint-interval", "512"])
+
+
+@pytest.mark.parametrize("page, interval, default", [(16, None, 256), (1, None, 64), (4, None, 64), (32, None, 512),
+                                                     (48, None, 768), (16, "64", 64), (48, "192", 192)])
+def test_the_checkpoint_interval_is_a_multiple_of_the_page_and_the_gdn_chunk(tmp_path, page, interval, default):
+    flags = ["--page-size", str(page)] + (["--checkpoint-interval", interval] if interval else [])
+    cfg = parse_cli(["--device", "cpu", "--model", str(_qwen3_5_folder(tmp_path)), *flags])
+    shutil.rmtree(cfg.run_dir)
+    assert cfg.cache.checkpoint_interval == default
+
+
+@pytest.mark.parametrize("page, interval, align", [(16, 32, 64), (16, 80, 64), (48, 96, 192)])
+def test_an_interval_off_the_gdn_chunk_is_refused(tmp_path, page, interval, align):
+    with pytest.raises(ConfigError, match=f"--checkpoint-interval \\({interval}\\) must be a multiple of {align}"):
+        parse_cli(["--device", "cpu", "--model", str(_qwen3_5_folder(tmp_path)), "--page-size", str(page),
+                   "--checkpoint-interval", str(interval)])

@@ -6,7 +6,7 @@ log, so a transaction (and a publish) is all-or-nothing:
 
     txn = coord.begin(req_id)          open; nothing has changed yet
     hit = txn.match(prompt_ids)        lock the cached prefix (first txn only)
-    txn.reserve(tokens=n, state_slots=1)   evict + allocate, or CapacityError (no change)
+    txn.reserve(tokens=n, state_slots=1, checkpoints=(d, ...))   evict + allocate, or CapacityError (no change)
     grant = txn.commit()               keep it all; ops for this step's plan
     txn.rollback()                     (instead of commit) undo it all, exactly
 
@@ -29,16 +29,17 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterator
 
+from hkv.cache.checkpoints import CheckpointPlacement
 from hkv.cache.errors import CapacityError, TransactionError
 from hkv.cache.pools import IdPool, PagePool, SlotPool
 from hkv.cache.radix import Checkpoint, Node, RadixTree
 from hkv.cache.transaction import Hold, Phase, RequestState, Transaction
 from hkv.cache.types import (
-    CacheOp, CacheSpec, CheckpointRef, Evicted, Hit, Published, RestoreCheckpoint, SaveCheckpoint,
+    CacheOp, CacheSpec, CheckpointRef, Evicted, Hit, Published, RestoreCheckpoint,
 )  # fmt: skip
 
 
-class CacheCoordinator:
+class CacheCoordinator(CheckpointPlacement):
     """Pools + radix tree + request records, changed only through transactions.
 
     fault: test hook called with the name of a point inside reserve and
@@ -152,16 +153,22 @@ class CacheCoordinator:
             raise
         return tuple(req.pages[start:])
 
-    def _reserve(self, req: RequestState, tokens: int, pages: int, state_slots: int, window_slots: int) -> None:
-        """Transaction.reserve's work: room for the cursor + `tokens`, plus the extras asked for."""
+    def _reserve(self, req: RequestState, tokens: int, pages: int, state_slots: int, window_slots: int,
+                 checkpoints: tuple[int, ...] = ()) -> None:
+        """Transaction.reserve's work: room for the cursor + `tokens`, plus the extras asked for
+        (`checkpoints`: depths, checked there, each taking a state slot into req.pending)."""
         cursor = req.cursor + tokens
         need_pages = max(0, self.pages.pages_for(cursor) - len(req.pages)) + pages
-        self._check_room(need_pages, state_slots, window_slots)
+        self._check_room(need_pages, state_slots + len(checkpoints), window_slots)
         mark = len(self._undo)
         try:
-            self._make_room(need_pages, state_slots, window_slots)
+            self._make_room(need_pages, state_slots + len(checkpoints), window_slots)
             self._fault_point("reserve.evicted")
             self._grant(req, need_pages, state_slots, window_slots)
+            if checkpoints:
+                old_pending = req.pending
+                req.pending = {**old_pending, **dict(zip(checkpoints, self._alloc(self.state_slots, len(checkpoints))))}
+                self._log(lambda: setattr(req, "pending", old_pending))
             old_cursor = req.cursor
             req.cursor = cursor
             self._log(lambda: setattr(req, "cursor", old_cursor))
@@ -296,8 +303,14 @@ class CacheCoordinator:
         checkpoints for it (plus a window if the request drafts).
         rolling=True (with checkpoint=True): the checkpoint becomes the
         request's rolling one, which its next checkpointed publish moves on;
-        rolling=False makes it permanent. All-or-nothing: a failure inside
-        undoes it all (the moved checkpoint goes back where it was).
+        rolling=False makes it permanent. A checkpoint pending at a depth in
+        (published, aligned] (reserved with `checkpoints=`: the forward wrote
+        it) is attached there, permanent and without an op, whatever the flags;
+        the shallower ones first, each by a publish of its own depth:
+            token_ids [published .. d1)[d1 ...... d2)[d2 ....... aligned)
+            ckpts                  ^ pending     ^ pending      ^ checkpoint=True: as above
+        All-or-nothing: a failure inside undoes it all (the moved checkpoint
+        goes back where it was).
         """
         req = self._record_outside_transaction(req_id, "publish")
         if req.phase is not Phase.RUNNING:
@@ -321,6 +334,22 @@ class CacheCoordinator:
             self._undo = None
 
     def _publish(self, req: RequestState, tokens: tuple, aligned: int, checkpoint: bool, rolling: bool) -> Published:
+        """publish's work; pending checkpoints shallower than `aligned` are published at their own depth first."""
+        inserted = 0
+        for depth in sorted(d for d in req.pending if d < aligned):
+            inserted += self._insert(req, tokens[:depth], depth)
+            self._attach_pending(req, req.lock)
+        inserted += self._insert(req, tokens, aligned)
+        node = req.lock
+        ops = self._checkpoint(req, node, rolling) if checkpoint or aligned in req.pending else ()
+        self._fault_point("publish.checkpointed")
+        self.tree.touch(node)
+        if node.checkpoint is not None:
+            self.tree.touch_checkpoint(node.checkpoint)
+        return Published(aligned, inserted, ops)
+
+    def _insert(self, req: RequestState, tokens: tuple, aligned: int) -> int:
+        """Insert tokens[:aligned] (aligned >= published) and move the lock there; returns the tokens inserted."""
         P, inserted = self.spec.page_size, 0
         if aligned > req.published:
             # resume the walk at the request's locked node when it ends where its cached prefix does
@@ -340,13 +369,7 @@ class CacheCoordinator:
                 self._log(lambda: req.duplicates.__delitem__(slice(-len(duplicates), None)))
             self._move_lock(req, found.node, aligned)
             self._fault_point("publish.inserted")
-        node = req.lock
-        ops = self._checkpoint(req, node, rolling) if checkpoint else ()
-        self._fault_point("publish.checkpointed")
-        self.tree.touch(node)
-        if node.checkpoint is not None:
-            self.tree.touch_checkpoint(node.checkpoint)
-        return Published(aligned, inserted, ops)
+        return inserted
 
     def _move_lock(self, req: RequestState, node: Node, aligned: int) -> None:
         """Lock the path to `node` and let go of the old lock and pinned checkpoint."""
@@ -368,76 +391,6 @@ class CacheCoordinator:
             req.lock, req.published, req.held = old_lock, old_published, old_held
 
         self._log(undo)
-
-    def _checkpoint(self, req: RequestState, node: Node, rolling: bool) -> tuple[CacheOp, ...]:
-        """Save the live state at `node` (the request's lock): its rolling checkpoint moved, or a fresh one.
-
-            tokens  [0 ........ r) ........ [r ............. node.depth)
-            before   rolling ckpt at r (slot s)
-            after    nothing at r             ckpt at node.depth (slot s); op: SaveCheckpoint(live -> s)
-
-        The rolling one moves only when `_can_move` says nobody may read its
-        slot; then the request's rolling checkpoint is the moved one (rolling)
-        or none (permanent). Otherwise a fresh slot is taken, which becomes the
-        rolling one (rolling) or leaves it as it was (permanent); the old one
-        stays where it is, an ordinary checkpoint. Why a moved slot is safe to
-        overwrite: ops run in emission order before the next forward, so a
-        RestoreCheckpoint from a later match (in this plan or after) follows
-        this SaveCheckpoint and reads the new state, and a reader of the old
-        state pins it until its copy ran (a request until it publishes deeper,
-        pauses or is released; a tier hold until its StoreState ran).
-        """
-        if node.checkpoint is not None:
-            if node.checkpoint is req.rolling and not rolling:
-                self._set_rolling(req, None)  # published for good where it already is
-            return ()
-        if not req.state_slots:
-            raise TransactionError(f"publish({req.req_id}): a checkpoint needs the request's live state slot")
-        old = req.rolling
-        moved = old is not None and self._can_move(req, old)
-        ckpt = self._move_checkpoint(old, node) if moved else self._take_checkpoint(req, node)
-        if ckpt is None:
-            return ()  # caching is best effort: the pages are published without it
-        if rolling or moved:
-            self._set_rolling(req, ckpt if rolling else None)
-        src_window = req.window_slots[0] if ckpt.window is not None else None
-        return (SaveCheckpoint(req.state_slots[0], ckpt.slot, node.depth, src_window, ckpt.window),)
-
-    def _can_move(self, req: RequestState, ckpt: Checkpoint) -> bool:
-        """Nobody may read the slot: still attached (not evicted), unpinned, and shaped like
-        the request's state (a window exactly when the request drafts)."""
-        return (
-            ckpt.node.in_tree and ckpt.node.checkpoint is ckpt and ckpt.holds == 0
-            and (ckpt.window is not None) == bool(req.window_slots)
-        )  # fmt: skip
-
-    def _move_checkpoint(self, ckpt: Checkpoint, node: Node) -> Checkpoint:
-        """Detach `ckpt` and attach its slot and window at `node`; both steps are logged."""
-        tree = self.tree
-        tree.detach_checkpoint(ckpt)
-        self._log(lambda: tree.reattach_checkpoint(ckpt))
-        moved = tree.attach_checkpoint(node, ckpt.slot, ckpt.window)
-        self._log(lambda: tree.detach_checkpoint(moved))
-        return moved
-
-    def _take_checkpoint(self, req: RequestState, node: Node) -> Checkpoint | None:
-        """A fresh slot (and window if the request drafts) attached at `node`, or None when none can be had."""
-        windows = 1 if req.window_slots else 0
-        try:
-            self._check_room(0, 1, windows)
-        except CapacityError:
-            return None
-        self._make_room(0, 1, windows)
-        slot = self._alloc(self.state_slots, 1)[0]
-        window = self._alloc(self.window_slots, 1)[0] if windows else None
-        ckpt = self.tree.attach_checkpoint(node, slot, window)
-        self._log(lambda: self.tree.detach_checkpoint(ckpt))
-        return ckpt
-
-    def _set_rolling(self, req: RequestState, ckpt: Checkpoint | None) -> None:
-        old = req.rolling
-        req.rolling = ckpt
-        self._log(lambda: setattr(req, "rolling", old))
 
     def pause(self, req_id: int) -> None:
         """Preempt: free everything the request holds except what it published.
@@ -466,14 +419,14 @@ class CacheCoordinator:
 
     def _drop(self, req: RequestState) -> None:
         self.pages.free(req.owned_pages(self.spec.page_size))
-        self.state_slots.free(req.state_slots)
+        self.state_slots.free(req.state_slots + list(req.pending.values()))
         self.window_slots.free(req.window_slots)
         if req.held is not None:
             self.tree.unhold(req.held)
         if req.lock is not None:
             self.tree.unlock(req.lock)
         req.pages, req.duplicates, req.cursor, req.published = [], [], 0, 0
-        req.lock, req.held, req.state_slots, req.window_slots = None, None, [], []
+        req.lock, req.held, req.state_slots, req.window_slots, req.pending = None, None, [], [], {}
 
     def hold(self, req_id: int) -> Hold | None:
         """Keep the request's published prefix (and its checkpoint) from eviction while it is copied out.

@@ -3,7 +3,7 @@
 Every pool splits into three disjoint parts that cover it exactly:
 
     [0, size) = free (in the pool's free list)
-              + owned (a request's own pages / live slots / live windows)
+              + owned (a request's own pages / live and pending checkpoint slots / live windows)
               + cached (pages of tree nodes / slots and windows of checkpoints)
 
 and every count the tree keeps (lock_refs, holds, evictable totals, heap
@@ -70,7 +70,9 @@ def _check_request(coord: "CacheCoordinator", req: "RequestState", holders: _Hol
     if req.phase is Phase.NEW:
         assert txn is not None and txn.req_id == req.req_id, f"{name} is NEW outside its first transaction"
     if req.phase is Phase.PAUSED and (txn is None or txn.req_id != req.req_id):
-        assert not (req.pages or req.state_slots or req.window_slots or req.lock), f"{name} is paused but holds"
+        assert not (req.pages or req.state_slots or req.window_slots or req.lock or req.pending), (
+            f"{name} is paused but holds"
+        )
     assert len(set(req.pages)) == len(req.pages), f"{name}: a page appears twice in {req.pages}"
     assert req.published <= req.cursor <= len(req.pages) * P, (
         f"{name}: published {req.published}, cursor {req.cursor}, {len(req.pages)} pages of {P}"
@@ -79,7 +81,11 @@ def _check_request(coord: "CacheCoordinator", req: "RequestState", holders: _Hol
     _check_request_prefix(coord, req, name)
     _check_rolling(req, name, holders)
     _add_disjoint(holders.pages, req.owned_pages(P), f"{name} pages")
-    _add_disjoint(holders.state_slots, req.state_slots, f"{name} state slots")
+    _add_disjoint(holders.state_slots, req.state_slots + list(req.pending.values()), f"{name} state slots")
+    for depth in req.pending:
+        assert req.published < depth < req.cursor and depth % P == 0, (
+            f"{name}: a checkpoint pending at {depth}, outside its unpublished pages ({req.published}, {req.cursor})"
+        )
     _add_disjoint(holders.window_slots, req.window_slots, f"{name} window slots")
     node = req.lock
     while node is not None and node.parent is not None:

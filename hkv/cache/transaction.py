@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from hkv.cache.errors import TransactionError
 from hkv.cache.radix import Checkpoint, Node
-from hkv.cache.types import Grant, Hit
+from hkv.cache.types import CheckpointRef, Grant, Hit
 
 if TYPE_CHECKING:
     from hkv.cache.coordinator import CacheCoordinator
@@ -46,7 +46,7 @@ class RequestState:
 
     __slots__ = (
         "req_id", "phase", "pages", "duplicates", "cursor", "published", "lock", "held",
-        "state_slots", "window_slots", "cached_tokens", "rolling",
+        "state_slots", "window_slots", "cached_tokens", "rolling", "pending",
     )  # fmt: skip
 
     def __init__(self, req_id: int):
@@ -66,6 +66,9 @@ class RequestState:
         # Its rolling checkpoint (publish(..., rolling=True)): the next checkpoint it publishes
         # moves this one's slot when it can. Stale once evicted; outlives a pause, not a release.
         self.rolling: Checkpoint | None = None
+        # depth -> state slot reserved for an in-chunk checkpoint (reserve(checkpoints=...)): the step's
+        # forward writes the state after `depth` tokens there; publish attaches it, release frees it
+        self.pending: dict[int, int] = {}
 
     def owned_pages(self, page_size: int) -> list[int]:
         """Pages only this request holds: its duplicates, then every page past `published`.
@@ -100,6 +103,7 @@ class Transaction:
         self._hit_checkpoint: Checkpoint | None = None  # the checkpoint match pinned, restored at commit
         self._matched: bool = False  # match ran in this transaction (extend may follow it)
         self._extended: int = 0  # tokens a lower tier supplies past the hit (see extend)
+        self._step_start: int | None = None  # the cursor at the first reserve: where the step's tokens start
 
     def _check_open(self) -> RequestState:
         # the coordinator's word, not only the flag: a closed handle stays closed whatever `open` says
@@ -118,7 +122,7 @@ class Transaction:
         request's pages to the hit's pages and its cursor to hit.length.
         """
         req = self._check_open()
-        if not self._may_match or req.pages or req.state_slots or req.window_slots:
+        if not self._may_match or req.pages or req.state_slots or req.window_slots or req.pending:
             raise TransactionError(f"request {req.req_id}: match must come first in a new or paused request")
         self._may_match, self._matched = False, True
         hit, self._hit_node, self._hit_checkpoint = self._coord._match(req, token_ids)
@@ -140,7 +144,7 @@ class Transaction:
         req = self._check_open()
         P = self._coord.spec.page_size
         if (not self._matched or req.cursor != req.published + self._extended or req.state_slots
-                or len(req.pages) * P != req.cursor):
+                or req.pending or len(req.pages) * P != req.cursor):
             raise TransactionError(f"request {req.req_id}: extend must follow match, before reserve")
         if tokens <= 0 or tokens % P:
             raise ValueError(f"extend({tokens}): a positive multiple of the page size {P}")
@@ -148,7 +152,8 @@ class Transaction:
         self._extended += tokens
         return pages
 
-    def reserve(self, *, tokens: int = 0, pages: int = 0, state_slots: int = 0, window_slots: int = 0) -> None:
+    def reserve(self, *, tokens: int = 0, pages: int = 0, state_slots: int = 0, window_slots: int = 0,
+                checkpoints: tuple[int, ...] | list[int] = ()) -> None:
         """Reserve what the request's next step needs, evicting unreferenced cache entries.
 
         tokens: the step computes this many more tokens; the cursor advances
@@ -157,6 +162,12 @@ class Transaction:
                 after   [ page 0 | page 1 | page 2 | p3 .. cursor + tokens)
         pages: extra pages beyond that (look-ahead); state_slots,
         window_slots: appended to the request's live slots.
+        checkpoints: depths inside the step's tokens where its forward keeps the
+            state (in-chunk checkpoints; hybrid, prefix cache on, no draft window):
+            one state slot each, pending until `publish` attaches it at that depth
+            (release, pause or rollback frees it). Increasing and page-aligned:
+                step    [start ........................................ cursor + tokens)
+                depths          ^ d1 ......... ^ d2     start < d1 < d2 < cursor + tokens
         Raises CapacityError having changed nothing (the transaction stays
         open: reserve less, or roll back). Eviction follows the tree's order.
         """
@@ -164,7 +175,23 @@ class Transaction:
         if min(tokens, pages, state_slots, window_slots) < 0:
             raise ValueError("reserve amounts must be >= 0")
         self._may_match = False
-        self._coord._reserve(req, tokens, pages, state_slots, window_slots)
+        if self._step_start is None:
+            self._step_start = req.cursor
+        depths = tuple(checkpoints)
+        if depths:
+            self._check_checkpoints(req, depths, req.cursor + tokens, window_slots)
+        self._coord._reserve(req, tokens, pages, state_slots, window_slots, depths)
+
+    def _check_checkpoints(self, req: RequestState, depths: tuple[int, ...], end: int, window_slots: int) -> None:
+        """ValueError unless `depths` may be reserved as in-chunk checkpoints of a step ending at `end`."""
+        spec = self._coord.spec
+        if not (spec.hybrid and spec.prefix_cache) or window_slots or req.window_slots:
+            raise ValueError("in-chunk checkpoints need a hybrid model, the prefix cache and no draft window")
+        bounds = (self._step_start, *depths, end)
+        if any(a >= b for a, b in zip(bounds, bounds[1:])) or any(d % spec.page_size for d in depths):
+            raise ValueError(f"checkpoints {depths}: increasing page boundaries inside ({self._step_start}, {end})")
+        if set(depths) & req.pending.keys():
+            raise ValueError(f"checkpoints {depths}: reserved already")
 
     def commit(self) -> Grant:
         """Close the transaction keeping every change; returns the request's holdings and ops.
@@ -181,9 +208,10 @@ class Transaction:
         ops = self._coord._commit(req, self._hit_node, restore)
         self.open = False
         served = self._hit_node is not None or self._extended > 0
+        pending = tuple(CheckpointRef(slot, None, depth) for depth, slot in sorted(req.pending.items()))
         return Grant(
             req.req_id, tuple(req.pages), self._pages_before, req.cursor, req.cached_tokens if served else 0,
-            tuple(req.state_slots), tuple(req.window_slots), ops,
+            tuple(req.state_slots), tuple(req.window_slots), ops, pending,
         )  # fmt: skip
 
     def rollback(self) -> None:

@@ -28,7 +28,8 @@ class CacheSpec:
     hybrid: the model has linear-attention layers, so a prefix is only usable
         up to a node that carries a state checkpoint.
     checkpoint_interval: tokens between prompt checkpoints (a multiple of
-        page_size); the scheduler ends prefill chunks on these boundaries.
+        page_size; the config also makes it one of 64, the GDN chunk, so the
+        boundaries inside a prefill chunk are kept from its forward).
     prefix_cache: False turns reuse off: match finds nothing, publish keeps nothing.
     """
 
@@ -157,6 +158,8 @@ class Grant:
     cached_tokens: tokens this transaction's match served from the cache.
     state_slots / window_slots: the request's live slots; index 0 is the live one.
     ops: cache ops for this step's plan, to run before its forward.
+    checkpoints: the in-chunk checkpoints reserved and not yet published, shallowest
+    first: the step's forward writes the state after `length` tokens into `slot`.
     """
 
     req_id: int
@@ -167,6 +170,7 @@ class Grant:
     state_slots: tuple[int, ...]
     window_slots: tuple[int, ...]
     ops: tuple[CacheOp, ...]
+    checkpoints: tuple[CheckpointRef, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from hkv.ipc.messages import Sampled, SamplingParams, StepPlan, StepResult
 from hkv.ipc.request_table import RequestTable
 from hkv.models.batch import ForwardBatch
 from hkv_kernels.dispatch import copy_blocks  # imports no kernel until a CUDA tensor asks
-from hkv_kernels.meta import StepArena, attention_tile, kernel_meta, meta_arrays
+from hkv_kernels.gdn import GDN_CHUNK
+from hkv_kernels.meta import StepArena, attention_tile, checkpoint_arrays, checkpoint_meta, kernel_meta, meta_arrays
 
 
 class ModelRunner:
@@ -61,8 +62,9 @@ class ModelRunner:
         layout = self.table.layout
         self.pages = DevicePageTable(layout.slots, layout.max_pages, self.device, scratch[0])
         seqs = layout.slots
-        # every field of a step, worst case: 7 of up to max_tokens entries, the rest per sequence
-        self.arena = StepArena(7 * max_tokens + 16 * (seqs + 2) + 512, self.device)
+        # every field of a step, worst case: 7 of up to max_tokens entries, the rest per sequence,
+        # and 4 per in-chunk checkpoint (at most one per GDN chunk of the step's tokens)
+        self.arena = StepArena(7 * max_tokens + 16 * (seqs + 2) + 4 * (max_tokens // GDN_CHUNK) + 520, self.device)
         if graph_max_bs > 0 and getattr(self.model, "graph_safe", True):
             self.graphs = DecodeGraphs(self.model, self.kv, self.state, self.pages, min(graph_max_bs, seqs),
                                        self.attn_dims, scratch[1], self.page_size)
@@ -190,7 +192,7 @@ class ModelRunner:
         return ForwardBatch.from_lists(
             inputs.input_ids, inputs.positions, inputs.q_lens, inputs.kv_lens,
             torch.from_numpy(inputs.page_rows(self.table)), inputs.slot_mapping, inputs.logits_indices,
-            state_slots=inputs.state_slots,
+            state_slots=inputs.state_slots, checkpoints=inputs.checkpoints,
         )
 
     def cuda_batch(self, inputs: StepInputs, idx: np.ndarray, vals: np.ndarray) -> ForwardBatch:
@@ -203,6 +205,8 @@ class ModelRunner:
                       logits_indices=inputs.logits_indices)
         if inputs.state_slots is not None:
             arrays["state_slots"] = inputs.state_slots
+        if inputs.checkpoints:
+            arrays.update(checkpoint_arrays(inputs.checkpoints, arrays["q_start"]))
         fits = sum(len(a) + 2 for a in arrays.values()) + 2 * len(idx) + 8 <= self.arena.capacity
         if fits:
             arrays.update(table_idx=idx, table_val=vals)
@@ -215,4 +219,5 @@ class ModelRunner:
             input_ids=views["input_ids"], positions=views["positions"], slot_mapping=views["slot_mapping"],
             logits_indices=views["logits_indices"], page_table=self.pages.table,
             meta=kernel_meta(views, inputs.q_lens, tile, block_t), state_slots=views.get("state_slots"),
+            checkpoints=checkpoint_meta(views, inputs.checkpoints),
         )

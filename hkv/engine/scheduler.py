@@ -15,13 +15,17 @@ chunk of the tokens whose K/V are not computed yet:
 
 A new (or preempted) sequence starts at the longest cached prefix the
 coordinator matches; at least one token is always recomputed. On a hybrid
-model chunks end on checkpoint boundaries (every --checkpoint-interval
-tokens and the prompt's last page boundary) and the state there is saved
-for good. Every other page boundary a sequence reaches (decoding, or a
-chunk cut by the budget) saves its one rolling checkpoint, which moves on
-to the next such boundary; on finish it stays where it is, at the last
-page boundary of prompt + output, for the conversation's next turn. A
-36-token prompt and 200 output tokens, page 16, interval 256:
+model a chunk runs as far as the budget allows (rounded down to the GDN
+chunk, so the next one starts on it) and the forward itself keeps the state
+at every --checkpoint-interval boundary inside it, into slots the step's
+transaction reserved; only the prompt's last page boundary cuts a chunk
+(see `_chunk_end`). Those checkpoints, and the chunk's end when it is a
+checkpoint boundary, are kept for good. Every other page boundary a
+sequence reaches (decoding, or a chunk cut by the budget) saves its one
+rolling checkpoint, which moves on to the next such boundary; on finish it
+stays where it is, at the last page boundary of prompt + output, for the
+conversation's next turn. A 36-token prompt and 200 output tokens, page 16,
+interval 256:
 
     tokens  [0 ...... 32)[32 ... 48)[48 ... 64) ... [208 .. 224)[224 .. 236)
     ckpts             ^ kept      ^ rolling -> ^ ... ----------> ^ left on finish
@@ -35,12 +39,13 @@ from dataclasses import dataclass, field
 
 from hkv.cache.coordinator import CacheCoordinator
 from hkv.cache.errors import CapacityError
-from hkv.cache.types import CacheOp, LoadPages, LoadState
+from hkv.cache.types import CacheOp, CheckpointRef, LoadPages, LoadState
 from hkv.engine.tier_client import TierClient, TierHit
 from hkv.ipc.messages import (
     Chunk, GenerateRequest, NewSequence, SamplingParams, StepPlan, StepResult, TierFound, TierReserved, TokenDelta,
 )  # fmt: skip
 from hkv.ipc.request_table import RequestTable, SlotPhase
+from hkv_kernels.gdn import GDN_CHUNK
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,8 @@ class SchedulerLimits:
     max_context: int  # the model's context length
     eos_ids: frozenset[int]
     hybrid: bool = False  # the model has linear-attention state (one live slot per sequence)
-    checkpoint_interval: int | None = None  # hybrid: prefill chunks end on multiples of this
+    checkpoint_interval: int | None = None  # hybrid: the state is kept at multiples of this (a multiple of chunk_align)
+    chunk_align: int = GDN_CHUNK  # hybrid: in-chunk checkpoints fall on multiples of this from the chunk's start
     tier_checkpoint_interval: int | None = None  # hybrid with tiers: interior prefixes copied out on multiples of this
 
 
@@ -94,6 +100,9 @@ class Scheduler:
 
     def __init__(self, limits: SchedulerLimits, coord: CacheCoordinator, table: RequestTable,
                  tiers: TierClient | None = None):
+        if limits.hybrid and limits.checkpoint_interval and limits.checkpoint_interval % limits.chunk_align:
+            raise ValueError(f"checkpoint_interval {limits.checkpoint_interval} is not a multiple of the "
+                             f"chunk alignment {limits.chunk_align}")
         self.limits = limits
         self.coord = coord
         self.table = table
@@ -215,16 +224,38 @@ class Scheduler:
         """The first waiting sequence not waiting for its tier lookup."""
         return next((seq for seq in self.waiting if not seq.lookup_pending), None)
 
-    def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
-        """Where a chunk starting at `start` ends: budget, the sequence's end, and on a
-        hybrid model the next checkpoint boundary (so the state there can be saved)."""
+    def _chunk_end(self, seq: Sequence, start: int, budget: int) -> tuple[int, tuple[int, ...]]:
+        """Where a chunk starting at `start` ends, and the checkpoint depths the forward keeps inside it.
+
+        Dense: the budget or the sequence's end. Hybrid, A = limits.chunk_align (the GDN chunk):
+
+            start % A == 0  [start ..... i1 ....... i2 ....... end)  end: the budget, the sequence's end or
+                                         ^ kept     ^ kept           the prompt's last page boundary; every
+                                                                     interval multiple inside is kept
+            start % A != 0  [start ....... b)                        cut at the first checkpoint boundary b
+                                                                     (next interval multiple, prompt's last page)
+
+        An end the budget sets is rounded down to a multiple of A when that keeps a token, so
+        the next chunk starts aligned and a hit at any interval boundary resumes on a GDN chunk
+        boundary of the cold run's chunk (docs/cache.md). Prefix cache off: no cut, nothing kept.
+        """
         end = min(seq.total_len, start + budget)
         if not self.limits.hybrid:
-            return end
-        for boundary in self._boundaries(seq, start):
-            if start < boundary < end:
-                return boundary
-        return end
+            return end, ()
+        keep, align = self.coord.spec.prefix_cache, self.limits.chunk_align
+        if keep and start % align:
+            cut = next((b for b in self._boundaries(seq, start) if start < b < end), None)
+            if cut is not None:
+                return cut, ()
+        last_page = len(seq.prompt_ids) // self.limits.page_size * self.limits.page_size
+        if keep and start < last_page < end:
+            end = last_page  # its checkpoint is kept for the next turn, saved from the live state
+        elif end < seq.total_len and end // align * align > start:
+            end = end // align * align
+        interval = self.limits.checkpoint_interval
+        if not keep or start % align or interval is None:
+            return end, ()
+        return end, tuple(range((start // interval + 1) * interval, end, interval))
 
     def _boundaries(self, seq: Sequence, start: int) -> list[int]:
         """Hybrid chunk boundaries after `start`: the next interval multiple, the prompt's last page boundary."""
@@ -236,11 +267,12 @@ class Scheduler:
 
     def _plan_running(self, seq: Sequence, budget: int) -> Chunk | None:
         """Reserve this step's tokens for a running sequence, preempting newer ones if needed."""
-        end = self._chunk_end(seq, seq.kv_len, budget)
+        end, depths = self._chunk_end(seq, seq.kv_len, budget)
         while True:
             txn = self.coord.begin(seq.req_id)
             try:
                 txn.reserve(tokens=end - seq.kv_len)
+                self._reserve_checkpoints(txn, depths)
                 grant = txn.commit()
                 break
             except CapacityError:
@@ -251,7 +283,7 @@ class Scheduler:
                 return None
         seq.pages = list(grant.pages)
         self._ops.extend(grant.ops)
-        return self._chunk(seq, seq.kv_len, end)
+        return self._chunk(seq, seq.kv_len, end, grant.checkpoints)
 
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
         """Admit the head of the queue at its longest cached prefix, or change nothing."""
@@ -260,11 +292,12 @@ class Scheduler:
             hit = txn.match(seq.all_ids())
             loaded, load_pages = self._extend_from_tier(txn, seq, hit.length)
             start = hit.length + loaded
-            end = self._chunk_end(seq, start, budget)
+            end, depths = self._chunk_end(seq, start, budget)
             txn.reserve(tokens=end - start, state_slots=1 if self.limits.hybrid else 0)
             # Leave a page per running sequence so admitting does not force preemption next step.
             if self._spare_pages() < len(self.running):
                 raise CapacityError("gpu_pages", len(self.running), self._spare_pages(), 0)
+            self._reserve_checkpoints(txn, depths)
             grant = txn.commit()
         except CapacityError:
             txn.rollback()
@@ -285,7 +318,7 @@ class Scheduler:
         if seq.tier is not None:  # loaded or not, the run is not needed after this plan
             self.tiers.release(seq.tier.lookup_id, after_plan=True)
             seq.tier = None
-        return self._chunk(seq, start, end)
+        return self._chunk(seq, start, end, grant.checkpoints)
 
     def _extend_from_tier(self, txn, seq: Sequence, hit_tokens: int) -> tuple[int, tuple[int, ...]]:
         """Grow the device hit with the sequence's tier run: (tokens loaded, their fresh pages)."""
@@ -319,9 +352,20 @@ class Scheduler:
     def _spare_pages(self) -> int:
         return self.coord.pages.free_count + self.coord.tree.evictable_pages
 
-    def _chunk(self, seq: Sequence, start: int, end: int) -> Chunk:
+    def _reserve_checkpoints(self, txn, depths: tuple[int, ...]) -> None:
+        """Slots for the in-chunk checkpoints at `depths`, all or nothing; when slots are short,
+        fewer: the deepest ones, down to none (a step never waits for its checkpoints)."""
+        for first in range(len(depths)):
+            try:
+                txn.reserve(checkpoints=depths[first:])
+                return
+            except CapacityError:
+                continue
+
+    def _chunk(self, seq: Sequence, start: int, end: int, checkpoints: tuple[CheckpointRef, ...]) -> Chunk:
         self._write_row(seq, end)
-        return Chunk(seq.slot, seq.token_slice(start, end), start, end == seq.total_len)
+        kept = [[ckpt.length - start, ckpt.slot] for ckpt in checkpoints]
+        return Chunk(seq.slot, seq.token_slice(start, end), start, end == seq.total_len, kept)
 
     def _reject_unfittable(self) -> None:
         """With nothing running or held for a tier copy, every page is free (or evictable):
@@ -381,12 +425,30 @@ class Scheduler:
             if seq.req_id not in self.running or seq.slot != chunk.slot:
                 continue  # aborted while the step ran: drop its token
             seq.kv_len = chunk.start_pos + len(chunk.token_ids)
+            self._publish_in_chunk(seq, chunk)
             prefill = len(chunk.token_ids) > 1
             if token is None:
                 self._publish(seq, prefill)
             else:
                 deltas.append(self._append_token(seq, token, prefill))
         return deltas
+
+    def _publish_in_chunk(self, seq: Sequence, chunk: Chunk) -> None:
+        """Publish the checkpoints the forward kept inside the chunk (interval boundaries). With
+        tiers each one at a multiple of --tier-checkpoint-interval publishes on its own and is
+        copied out; a publish attaches every pending checkpoint up to its depth, so one publish
+        at the deepest takes the rest."""
+        if not chunk.checkpoints:
+            return
+        all_ids = seq.all_ids()
+        depths = [chunk.start_pos + tokens for tokens, _ in chunk.checkpoints]
+        tier_interval = self.limits.tier_checkpoint_interval
+        offloaded = [d for d in depths if self.tiers is not None and tier_interval and d % tier_interval == 0]
+        for depth in offloaded:
+            self.coord.publish(seq.req_id, all_ids, depth, checkpoint=True)
+            self._offload(seq)
+        if not offloaded or offloaded[-1] != depths[-1]:
+            self.coord.publish(seq.req_id, all_ids, depths[-1], checkpoint=True)
 
     def _publish(self, seq: Sequence, prefill: bool) -> None:
         """Cache the computed prefix; on a hybrid model save the state at each page boundary.

@@ -21,6 +21,7 @@ import torch
 
 from hkv.ipc.messages import Chunk
 from hkv.ipc.request_table import RequestTable
+from hkv_kernels.gdn import GDN_CHUNK
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class StepInputs:
     rows: np.ndarray  # [B] request-table row (slot) of each sequence
     max_pages: int  # pages the longest sequence's KV spans
     state_slots: np.ndarray | None  # [B] live linear-state slot of each sequence (hybrid models)
+    checkpoints: tuple[tuple[int, int, int], ...] = ()  # (sequence, tokens, state slot): see CheckpointMeta
 
     @classmethod
     def of(cls, chunks: list[Chunk], table: RequestTable, page_size: int,
@@ -62,11 +64,25 @@ class StepInputs:
             rows=rows,
             max_pages=max_pages,
             state_slots=None if state_of is None else np.array([state_of[c.slot] for c in chunks], dtype=np.int64),
+            checkpoints=_checkpoints_of(chunks),
         )
 
     def page_rows(self, table: RequestTable) -> np.ndarray:
         """[B, max_pages] page ids per sequence (the CPU path's page table; unused entries stale)."""
         return table.page_ids[self.rows, : self.max_pages].astype(np.int64)
+
+
+def _checkpoints_of(chunks: list[Chunk]) -> tuple[tuple[int, int, int], ...]:
+    """The chunks' in-chunk checkpoints as (sequence, tokens, state slot); ValueError for one not
+    strictly inside its chunk on a GDN chunk boundary (the forward could not keep it)."""
+    out = []
+    for b, chunk in enumerate(chunks):
+        for tokens, slot in chunk.checkpoints:
+            if not 0 < tokens < len(chunk.token_ids) or tokens % GDN_CHUNK:
+                raise ValueError(f"a checkpoint after {tokens} of a chunk's {len(chunk.token_ids)} tokens: "
+                                 f"it must lie inside the chunk on a multiple of {GDN_CHUNK}")
+            out.append((b, tokens, slot))
+    return tuple(out)
 
 
 class DevicePageTable:

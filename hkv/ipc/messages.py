@@ -216,6 +216,9 @@ class Chunk(msgspec.Struct, frozen=True, array_like=True):
     token_ids: list[int]  # the new tokens, in order
     start_pos: int  # tokens of this sequence already in the KV pages (position of token_ids[0])
     sample: bool  # sample a token after the last one (the prompt's last chunk, or decode)
+    # in-chunk checkpoints, [tokens, state_slot] pairs: write the linear state after the first `tokens`
+    # tokens of this chunk (0 < tokens < len(token_ids), a multiple of the GDN chunk, 64) into state_slot
+    checkpoints: list[list[int]] = []
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="plan"):

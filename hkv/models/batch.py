@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hkv_kernels.meta import KernelMeta, StepArena, attention_tile, kernel_meta, meta_arrays
+from hkv_kernels.meta import (
+    CheckpointMeta, KernelMeta, StepArena, attention_tile, checkpoint_arrays, checkpoint_meta, kernel_meta, meta_arrays,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class ForwardBatch:
     page_table: torch.Tensor  # [R, max_pages] page ids; sequence b reads row meta.table_rows[b]
     meta: KernelMeta  # per-sequence lengths and offsets, kernel grids (hkv_kernels/meta.py)
     state_slots: torch.Tensor | None = None  # [B] int64, live linear-state slot per sequence (hybrid)
+    checkpoints: CheckpointMeta | None = None  # prefill: states kept inside chunks (in-chunk checkpoints)
 
     @property
     def num_seqs(self) -> int:
@@ -41,11 +44,12 @@ class ForwardBatch:
     @classmethod
     def from_lists(
         cls, input_ids, positions, q_lens, kv_lens, page_table, slot_mapping, logits_indices,
-        state_slots=None, attn_dims: tuple[int, int, torch.dtype] | None = None,
+        state_slots=None, attn_dims: tuple[int, int, torch.dtype] | None = None, checkpoints=(),
     ) -> "ForwardBatch":
         """A batch from python lists (tests, tools): page_table rows are per sequence, in batch
         order, and every tensor lands on page_table's device. attn_dims = (query heads per KV
-        head, head dim, dtype) picks the attention kernel's tile; CPU references ignore it."""
+        head, head dim, dtype) picks the attention kernel's tile; CPU references ignore it.
+        checkpoints: (sequence, tokens, state slot) triples, see CheckpointMeta."""
         device = torch.as_tensor(page_table).device
         q = np.asarray(q_lens, dtype=np.int64)
         group, head_dim, dtype = attn_dims or (1, 64, torch.float32)
@@ -57,10 +61,14 @@ class ForwardBatch:
                       logits_indices=np.asarray(logits_indices, dtype=np.int64))
         if state_slots is not None:
             arrays["state_slots"] = np.asarray(state_slots, dtype=np.int64)
+        checkpoints = tuple(tuple(int(x) for x in entry) for entry in checkpoints)
+        if checkpoints:
+            arrays.update(checkpoint_arrays(checkpoints, arrays["q_start"]))
         arena = StepArena(sum(len(a) + 2 for a in arrays.values()) + 2, device)
         views = arena.pack(arrays)
         return cls(
             input_ids=views["input_ids"], positions=views["positions"], slot_mapping=views["slot_mapping"],
             logits_indices=views["logits_indices"], page_table=torch.as_tensor(page_table),
             meta=kernel_meta(views, q, tile, block_t), state_slots=views.get("state_slots"),
+            checkpoints=checkpoint_meta(views, checkpoints),
         )

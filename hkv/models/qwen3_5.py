@@ -265,18 +265,21 @@ class GatedDeltaNet(nn.Module):
         """Conv, split, gates and delta rule of every sequence, from and overwriting its state slot.
 
         qkv: [T, C] conv inputs q|k|v; a, b: [T, Hv] the gate projections. Reads and writes
-        state.conv/recurrent[state.layer_map[layer], batch.state_slots[b]].
+        state.conv/recurrent[state.layer_map[layer], batch.state_slots[b]]; with in-chunk
+        checkpoints (batch.checkpoints) it also writes the conv and recurrent states there.
         Returns core: [T, Hv, Dv] in qkv's dtype.
         """
         s = state.layer_map[self.layer_idx]
-        slots, num_tokens = batch.state_slots, qkv.shape[0]
+        slots, num_tokens, checkpoints = batch.state_slots, qkv.shape[0], batch.checkpoints
+        if checkpoints is not None:  # from the conv inputs, before anything may reuse their memory
+            dispatch.conv_checkpoints(qkv, state.conv[s], checkpoints)
         conv_out = dispatch.causal_conv1d(qkv, state.conv[s], self.conv1d.weight[:, 0], slots, batch.meta)  # [T, C]
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(num_tokens, self.k_heads, self.k_dim)  # [T, Hk, Dk]
         k = k.reshape(num_tokens, self.k_heads, self.k_dim)  # [T, Hk, Dk]
         v = v.reshape(num_tokens, self.v_heads, self.v_dim)  # [T, Hv, Dv]
         return dispatch.gated_delta_rule(
-            q, k, v, a, b, (self.A_log, self.dt_bias), state.recurrent[s], slots, batch.meta
+            q, k, v, a, b, (self.A_log, self.dt_bias), state.recurrent[s], slots, batch.meta, checkpoints=checkpoints
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: StatePool) -> torch.Tensor:

@@ -83,3 +83,21 @@ def causal_conv1d_ref(
                     conv_state[int(keep_slots[b, t])].copy_(state)
         start += n
     return out
+
+
+def conv_checkpoints_ref(x: torch.Tensor, conv_state: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """The conv state at in-chunk checkpoints: the K-1 conv inputs before each, oldest first.
+
+    x: [T, C] the step's conv inputs (before the conv); conv_state: [S, C, K-1] one layer
+    of the state pool; rows, slots: [N] int64 on x's device (CheckpointMeta.rows / slots).
+    Checkpoint i's state is what `causal_conv1d` leaves after the tokens before row i
+    (rows[i] - (K-1) >= the sequence's first row: checkpoints sit a GDN chunk or more in):
+
+        x rows   [ ... rows[i]-(K-1) ... rows[i]-1 ][ rows[i] ... ]
+        conv_state[slots[i]] = those K-1 rows as [C, K-1]
+
+    Torch indexing only, so it runs as it is on CUDA tensors too.
+    """
+    width = conv_state.shape[-1]
+    taps = rows[:, None] - width + torch.arange(width, device=rows.device)  # [N, K-1]
+    conv_state.index_copy_(0, slots, x[taps].transpose(1, 2).to(conv_state.dtype))  # [N, C, K-1]

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from hkv_kernels.meta import KernelMeta
+from hkv_kernels.meta import CheckpointMeta, KernelMeta
 
 FLA_CHUNK = 64  # fla-core's chunk size: in-chunk states exist at multiples of it
 
@@ -37,16 +37,24 @@ def gated_delta_rule_chunked(
     slots: torch.Tensor,
     meta: KernelMeta,
     use_qk_l2norm: bool = True,
+    checkpoints: CheckpointMeta | None = None,
 ) -> torch.Tensor:
     """Chunked delta rule of every sequence from its slot's state; final states written back (fla-core).
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay, fp32), beta: [T, Hv];
     state: [S, Hv, Dk, Dv] fp32, one layer of the state pool, updated in place;
     slots: [B] int on the GPU; meta: the step's KernelMeta (cu_seqlens and its host copy).
+    checkpoints: in-chunk checkpoints (prefill steps only): state[checkpoints.slots[i]] must
+    also receive the state of sequence seq[i] after its first tokens[i] tokens (a multiple
+    of 64, fla's chunk size: one of the chunk-boundary states fla's forward materializes
+    in its h tensor), fp32, as the reference computes it (hkv_kernels/gdn/reference.py).
     Every sequence must have at least one new token (the runner never plans an empty chunk).
     Returns out: [T, Hv, Dv] in q's dtype.
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    if checkpoints is not None:
+        raise NotImplementedError("fla-core in-chunk checkpoints: see issue 12")
 
     bounds = meta.cu_seqlens_host
     if bool((bounds[1:] == bounds[:-1]).any()):

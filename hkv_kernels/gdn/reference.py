@@ -8,7 +8,8 @@ split anywhere continues exactly where it stopped. `gated_delta_rule_ref`
 loops them over a ragged batch whose states live in state-pool slots: prefill
 chunks take the chunked rule, single tokens the recurrent one, and
 `keep_slots` runs token by token keeping the state after every token
-(speculative verification).
+(speculative verification). In-chunk checkpoints (`checkpoints`) keep the
+carried state of the chunked pass at 64-token boundaries, adding no operation.
 
 Names: T new tokens, Hk / Hv key / value heads, Dk / Dv key / value head dims,
 S slots. The recurrent state is S[h] of shape [Dk, Dv]: a token reads
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from hkv_kernels.gdn import GDN_CHUNK
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -90,20 +93,46 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
-    chunk_size: int = 64,
+    chunk_size: int = GDN_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated delta rule in chunks of `chunk_size` tokens (the prefill path).
+    """Gated delta rule in chunks of `chunk_size` tokens (the prefill path): (out, final state),
+    as `chunk_gated_delta_rule_states` computes them."""
+    out, state, _ = chunk_gated_delta_rule_states(q, k, v, g, beta, initial_state, use_qk_l2norm, chunk_size)
+    return out, state
+
+
+def chunk_gated_delta_rule_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = GDN_CHUNK,
+    keep_after: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Gated delta rule in chunks of `chunk_size` tokens, keeping the state at chunk boundaries.
 
     Within a chunk, the delta-rule writes are folded into one lower-triangular
     (UT) solve; across chunks the state is carried. Same math and op order as
-    transformers' torch_chunk_gated_delta_rule.
+    transformers' torch_chunk_gated_delta_rule. The carried state after the
+    first t tokens, t in keep_after (multiples of chunk_size, < T), is returned
+    as it is: keeping it adds no operation, so out and the final state do not
+    depend on keep_after, and cutting the input at t computes the same state:
+
+        tokens   [0 ... C)[C ... 2C)[2C ... 3C)[3C ... T)      C = chunk_size
+        state              ^ after C  ^ after 2C ...             (kept when t is in keep_after)
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay, <= 0), beta: [T, Hv].
     initial_state: [Hv, Dk, Dv] or None (zeros).
-    Returns out: [T, Hv, Dv] in q's dtype and the final state [Hv, Dk, Dv] fp32.
+    Returns out: [T, Hv, Dv] in q's dtype, the final state [Hv, Dk, Dv] fp32 and the
+    kept states, one [Hv, Dk, Dv] fp32 per entry of keep_after, in its order.
     """
     out_dtype = q.dtype
     num_tokens = q.shape[0]
+    if any(t <= 0 or t >= num_tokens or t % chunk_size for t in keep_after):
+        raise ValueError(f"keep_after {keep_after}: multiples of {chunk_size} inside the {num_tokens} tokens")
     q, k, v = _prepare_qkv(q, k, v, use_qk_l2norm)  # [Hv, T, D*]
     q = q * q.shape[-1] ** -0.5
     g, beta = (x.transpose(0, 1).to(torch.float32).contiguous() for x in (g, beta))  # [Hv, T]
@@ -138,13 +167,16 @@ def chunk_gated_delta_rule(
     q = q * cum_g.exp()[..., None]
     k = k * (cum_g[..., -1:] - cum_g).exp()[..., None]
     chunk_decay = cum_g[..., -1].exp()[..., None, None]  # [Hv, N, 1, 1]
+    wanted, kept = set(keep_after), {}
     for i in range(num_chunks):
         v_new = new_values[:, i] - k_cumdecay[:, i] @ state  # [Hv, C, Dv]
         out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
         state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+        if (i + 1) * chunk_size in wanted:
+            kept[(i + 1) * chunk_size] = state  # a fresh tensor each chunk: nothing later writes it
 
     out = out.reshape(num_v_heads, -1, v_dim)[:, :num_tokens]  # [Hv, T, Dv]
-    return out.transpose(0, 1).contiguous().to(out_dtype), state
+    return out.transpose(0, 1).contiguous().to(out_dtype), state, [kept[t] for t in keep_after]
 
 
 def gated_delta_rule_ref(
@@ -158,6 +190,7 @@ def gated_delta_rule_ref(
     slots: list[int],
     keep_slots: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
+    checkpoints: tuple[tuple[int, int, int], ...] = (),
 ) -> torch.Tensor:
     """Delta rule for each sequence from its slot's state, writing the state back.
 
@@ -165,17 +198,32 @@ def gated_delta_rule_ref(
     state: [S, Hv, Dk, Dv] fp32, one layer of the state pool; q_lens, slots: [B].
     keep_slots: None (final state overwrites slots[b]) or [B, max_n] int: the
     state after token t goes to keep_slots[b, t] (entries < 0 skipped), slots[b] untouched.
+    checkpoints: (b, tokens, slot) triples (CheckpointMeta.entries): the state of
+    sequence b after its first `tokens` tokens (a multiple of the GDN chunk) also goes
+    to `slot`, taken from the same chunked pass (not with keep_slots).
     Returns out: [T, Hv, Dv] in q's dtype.
     """
+    if checkpoints and keep_slots is not None:
+        raise ValueError("in-chunk checkpoints and keep_slots together")
     out = v.new_empty(v.shape, dtype=q.dtype)
     start = 0
     for b, (n, slot) in enumerate(zip(q_lens, slots)):
         if n == 0:
             continue
         rows = slice(start, start + n)
-        if keep_slots is None:
-            rule = recurrent_gated_delta_rule if n == 1 else chunk_gated_delta_rule
-            out[rows], final = rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state[slot], use_qk_l2norm)
+        kept = [(tokens, dst) for seq, tokens, dst in checkpoints if seq == b]
+        if keep_slots is None and n > 1:
+            out[rows], final, states = chunk_gated_delta_rule_states(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], state[slot], use_qk_l2norm,
+                keep_after=tuple(tokens for tokens, _ in kept),
+            )
+            for (_, dst), kept_state in zip(kept, states):
+                state[dst].copy_(kept_state)
+            state[slot].copy_(final)
+        elif keep_slots is None:
+            out[rows], final = recurrent_gated_delta_rule(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], state[slot], use_qk_l2norm
+            )
             state[slot].copy_(final)
         else:
             current = state[slot].clone()

@@ -31,6 +31,7 @@ def canonical(coord: CacheCoordinator) -> tuple:
         requests.append((
             rid, req.phase, tuple(req.pages), tuple(req.duplicates), req.cursor, req.published,
             lock_depth, held, tuple(req.state_slots), tuple(req.window_slots), req.cached_tokens, rolling,
+            tuple(sorted(req.pending.items())),
         ))  # fmt: skip
     counters = (
         tree.cached_pages, tree.evictable_pages, tree.num_checkpoints,

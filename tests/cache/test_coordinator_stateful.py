@@ -246,6 +246,40 @@ class CoordinatorMachine(RuleBasedStateMachine):
             self._publish(rid, model.cursor, data, checkpoint=True)
             self.books_balance()
 
+    def _without_windows(self) -> list[int]:
+        if not (self.spec.hybrid and self.spec.prefix_cache):
+            return []
+        return [rid for rid in self._running() if not self.coord.requests[rid].window_slots]
+
+    @precondition(lambda self: self.txn is None and self._without_windows())
+    @rule(pages=st.integers(1, 3), data=st.data())
+    def prefill_keeping_checkpoints(self, pages, data):
+        """A prefill chunk across `pages` page boundaries keeping the state at some of them (pending
+        until a publish reaches them), reserved all or nothing; then maybe publish it all."""
+        rid = data.draw(st.sampled_from(self._without_windows()))
+        model, req, P = self.models[rid], self.coord.requests[rid], self.P
+        start = model.cursor
+        end = (start // P + pages) * P + data.draw(st.integers(0, P - 1))
+        depths = tuple(d for d in range(start // P * P + P, end, P) if d > start and data.draw(st.booleans()))
+        self._begin(rid, new=False)
+        if not self._reserve(end - start, 0, 0, 0, data, fault=False):
+            self.rollback()
+            return
+        before = canonical(self.coord)
+        try:
+            self.txn.reserve(checkpoints=depths)
+        except CapacityError:
+            assert canonical(self.coord) == before, "a failed checkpoint reservation changed something"
+            event("reserve: checkpoint slots short")
+        self.commit()
+        for depth, slot in req.pending.items():  # the forward writes them
+            self.slot_tokens[slot] = tuple(model.tokens[:depth])
+        if req.pending:
+            event("prefill: checkpoints pending")
+        if data.draw(st.booleans()):
+            self._publish(rid, model.cursor, data)
+            assert all(d > req.published for d in req.pending), "a publish passed a pending checkpoint"
+
     @precondition(lambda self: self.txn is None and self._running())
     @rule(data=st.data())
     def finish(self, data):

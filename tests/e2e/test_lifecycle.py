@@ -105,6 +105,7 @@ def test_kill_9_of_the_launcher_takes_the_actors_down(tmp_path):
         (["--spec-tokens", "2"], "not implemented yet: --spec-tokens"),
         (["--page-size", "0"], "--page-size"),
         (["--max-total-tokens", "100", "--page-size", "16"], "multiple of --page-size"),
+        (["--checkpoint-interval", "32"], "--checkpoint-interval (32) must be a multiple of 64"),
         (["--model", "/nonexistent/folder"], "--model /nonexistent/folder"),
         (["--dtype", "int3"], "--dtype"),
         (["--cpu-cache-gb", "1", "--no-prefix-cache"], "--cpu-cache-gb needs the prefix cache"),

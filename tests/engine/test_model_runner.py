@@ -36,14 +36,15 @@ def _model(kind: str) -> torch.nn.Module:
     return model.eval()
 
 
-def _runner(model, table: RequestTable, device_metadata: bool) -> ModelRunner:
+def _runner(model, table: RequestTable, device_metadata: bool, max_tokens: int = 64) -> ModelRunner:
     extra = 1 if device_metadata else 0
     kv = KVPool(model.kv_layout(PAGES + extra, PAGE, "float32", "cpu"), model.layer_map)
     layout = model.state_layout(SLOTS + extra, device="cpu")
     state = StatePool(layout) if layout is not None else None
     scratch = (PAGES, SLOTS if state is not None else None)
     return ModelRunner(model, kv, state, table, PAGE, "cpu", scratch=scratch if device_metadata else None,
-                       max_tokens=64, graph_max_bs=4 if device_metadata else 0, device_metadata=device_metadata)
+                       max_tokens=max_tokens, graph_max_bs=4 if device_metadata else 0,
+                       device_metadata=device_metadata)
 
 
 class Driver:
@@ -56,7 +57,8 @@ class Driver:
         self.done: dict[int, int] = {}
         self.step = 0
 
-    def plan(self, work: list[tuple[int, list[int]]], new: list[int]) -> StepPlan:
+    def plan(self, work: list[tuple[int, list[int]]], new: list[int], checkpoints=None) -> StepPlan:
+        """checkpoints: request-table row -> its chunk's in-chunk checkpoints ([tokens, state slot] pairs)."""
         chunks = []
         for slot, tokens in work:
             start = self.done.get(slot, 0)
@@ -71,7 +73,7 @@ class Driver:
             elif added:
                 self.table.append_pages(slot, added)
             self.done[slot] = end
-            chunks.append(Chunk(slot, tokens, start, True))
+            chunks.append(Chunk(slot, tokens, start, True, (checkpoints or {}).get(slot, [])))
         self.step += 1
         return StepPlan(self.step, [NewSequence(s, 100 + s, SAMPLING, s) for s in new], chunks, [])
 
@@ -112,3 +114,26 @@ def test_device_path_computes_the_cpu_path(kind, monkeypatch):
     assert replays == [2, 3, 1]  # the decode-only steps replayed their buckets (2, 4 and 1)
     if kind == "hybrid":  # the live states match too; the scratch slot took the padded rows
         assert torch.allclose(fast.state.recurrent[:, :SLOTS], plain.state.recurrent, atol=1e-6)
+
+
+def test_in_chunk_checkpoints_travel_through_both_paths():
+    """Issue 12: a prefill chunk's checkpoints reach the forward from the plan (the arena on the
+    device path) and land in their slots, the same on both paths; decode steps carry none."""
+    model = _model("hybrid")
+    layout = TableLayout(slots=SLOTS, max_pages=48)
+    tables = [RequestTable(layout, memoryview(bytearray(layout.nbytes()))) for _ in range(2)]
+    runners = [_runner(model, tables[0], False), _runner(model, tables[1], True, max_tokens=256)]
+    drivers = [Driver(t) for t in tables]
+    for runner in runners:
+        runner.state.conv[:, 3:5] = float("nan")
+        runner.state.recurrent[:, 3:5] = float("nan")
+    work = [(0, [(7 * i) % 96 for i in range(140)]), (2, [5, 6, 7, 8, 9])]
+    for runner, driver in zip(runners, drivers):
+        result = runner.execute(driver.plan(work, [0, 2], checkpoints={0: [[64, 3], [128, 4]]}))
+        assert result.error is None, result.error
+    plain, fast = runners
+    for pool in ("conv", "recurrent"):
+        want, got = getattr(plain.state, pool), getattr(fast.state, pool)[:, :SLOTS]
+        assert not torch.isnan(want).any() and torch.equal(got, want), pool
+    bad = drivers[0].plan([(2, [10, 11])], [], checkpoints={2: [[1, 5]]})
+    assert "multiple of 64" in plain.execute(bad).error

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hkv.cache.coordinator import CacheCoordinator
@@ -14,10 +16,10 @@ EOS = 99
 
 
 def make(num_pages=16, page_size=4, max_running=4, budget=8, max_context=256, prefix_cache=False,
-         hybrid=False, interval=None, state_slots=0):
-    layout = TableLayout(slots=max_running, max_pages=64)
+         hybrid=False, interval=None, state_slots=0, align=64, max_pages=64):
+    layout = TableLayout(slots=max_running, max_pages=max_pages)
     table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-    limits = SchedulerLimits(page_size, max_running, budget, max_context, frozenset({EOS}), hybrid, interval)
+    limits = SchedulerLimits(page_size, max_running, budget, max_context, frozenset({EOS}), hybrid, interval, align)
     spec = CacheSpec(page_size, num_pages, state_slots, 0, hybrid, interval, prefix_cache)
     return Scheduler(limits, CacheCoordinator(spec), table)
 
@@ -211,19 +213,17 @@ def test_no_prefix_cache_never_hits():
     assert sched.schedule().chunks[0].start_pos == 0
 
 
-def test_hybrid_chunks_end_on_checkpoints_and_a_hit_restores_one():
-    sched = make(prefix_cache=True, budget=64, hybrid=True, interval=8, state_slots=8, num_pages=32)
+def test_hybrid_prefill_keeps_interval_checkpoints_inside_the_chunk_and_a_hit_restores_one():
+    sched = make(prefix_cache=True, budget=64, hybrid=True, interval=8, state_slots=8, num_pages=32, align=4)
     sched.add(req(1, 22, max_tokens=2))
     plans, _ = run_to_end(sched)
-    # prompt chunks end at interval multiples and at the prompt's last page boundary (20)
-    assert [(c.start_pos, len(c.token_ids)) for c in plans[0].chunks] == [(0, 8)]
-    assert [(c.start_pos, len(c.token_ids)) for c in plans[1].chunks] == [(8, 8)]
-    assert [(c.start_pos, len(c.token_ids)) for c in plans[2].chunks] == [(16, 4)]
-    assert [(c.start_pos, len(c.token_ids)) for c in plans[3].chunks] == [(20, 2)]
+    # one chunk up to the prompt's last page boundary (20), keeping the states at 8 and 16 from its forward
+    (chunk,) = plans[0].chunks
+    assert (chunk.start_pos, len(chunk.token_ids), chunk.checkpoints) == (0, 20, [[8, 1], [16, 2]])
+    assert [(c.start_pos, len(c.token_ids)) for c in plans[1].chunks] == [(20, 2)]
+    assert checkpoint_slots(sched) == {8: 1, 16: 2, 20: 3}
     saves = [op for p in plans for op in p.ops]
-    assert [op.length for op in saves] == [8, 16, 20]
-    live = plans[0].new[0].state_slot
-    assert all(op.src_slot == live for op in saves)
+    assert [(op.src_slot, op.dst_slot, op.length) for op in saves] == [(0, 3, 20)]  # only the chunk's end copies
     sched.add(GenerateRequest(2, list(range(1, 23)) + [90, 91], SamplingParams(max_tokens=1)))
     plan = sched.schedule()
     (chunk,) = plan.chunks
@@ -233,7 +233,7 @@ def test_hybrid_chunks_end_on_checkpoints_and_a_hit_restores_one():
 
 
 def test_flush_after_everything_finished_frees_every_pool():
-    sched = make(prefix_cache=True, budget=64, hybrid=True, interval=8, state_slots=8, num_pages=32)
+    sched = make(prefix_cache=True, budget=64, hybrid=True, interval=8, state_slots=8, num_pages=32, align=4)
     for i in range(3):
         sched.add(req(i + 1, 9 + 5 * i, max_tokens=3))
     run_to_end(sched)
@@ -264,7 +264,7 @@ def checkpoint_slots(sched):
 
 
 def test_hybrid_decode_moves_one_rolling_checkpoint_and_keeps_interval_ones():
-    sched = make(prefix_cache=True, budget=64, hybrid=True, interval=16, state_slots=8, num_pages=32)
+    sched = make(prefix_cache=True, budget=64, hybrid=True, interval=16, state_slots=8, num_pages=32, align=4)
     sched.add(req(1, 6, max_tokens=20))
     plans, _ = run_to_end(sched, token_for=lambda s: 40)  # computes 6 + 19 tokens
     saves = [(op.length, op.dst_slot) for p in plans for op in p.ops]
@@ -324,7 +324,7 @@ def test_a_hybrid_prefix_is_copied_out_at_tier_checkpoints_prompt_end_and_finish
     get 16, the prompt's last page boundary (28), decode crossing 32 and the finish at 32 (already held)."""
     layout = TableLayout(slots=4, max_pages=64)
     table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-    limits = SchedulerLimits(4, 4, 8, 256, frozenset({EOS}), True, 8, tier_checkpoint_interval=16)
+    limits = SchedulerLimits(4, 4, 8, 256, frozenset({EOS}), True, 8, chunk_align=4, tier_checkpoint_interval=16)
     tiers = OffloadLog()
     sched = Scheduler(limits, CacheCoordinator(CacheSpec(4, 32, 12, 0, True, 8, True)), table, tiers)
     tiers.sched = sched
@@ -332,3 +332,100 @@ def test_a_hybrid_prefix_is_copied_out_at_tier_checkpoints_prompt_end_and_finish
     while sched.has_work():
         step(sched)
     assert tiers.lengths == [16, 28, 32, 32]
+
+
+def prefill_sizes(plans):
+    return [(c.start_pos, len(c.token_ids)) for p in plans for c in p.chunks if len(c.token_ids) > 1]
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_30k_prompt_takes_4_prefill_steps_of_8k(prefix_cache):
+    """Issue 12, acceptance 2: chunks are sized by the budget and the prompt's end only."""
+    sched = make(num_pages=2048, page_size=16, budget=8192, max_context=32768, prefix_cache=prefix_cache,
+                 hybrid=True, interval=256, state_slots=130, max_pages=2048)
+    sched.add(req(1, 30_000, max_tokens=2))
+    plan = sched.schedule()
+    (chunk,) = plan.chunks
+    depths = [chunk.start_pos + tokens for tokens, _ in chunk.checkpoints]
+    assert depths == (list(range(256, 8192, 256)) if prefix_cache else [])
+    assert checkpoint_slots(sched) == {}  # nothing is published before the step's result
+    sampled = [Sampled(c.slot, 7, None, None) for c in plan.chunks if c.sample]
+    sched.on_result(StepResult(plan.step, sampled, 0.0), plan)
+    kept = {depth: slot for depth, (_, slot) in zip(depths, chunk.checkpoints)}
+    if prefix_cache:  # the chunk's end is attached too, its state copied by the next plan's op
+        (save,) = sched._ops
+        kept[8192] = save.dst_slot
+    assert checkpoint_slots(sched) == kept
+    plans, _ = run_to_end(sched)
+    assert prefill_sizes([plan] + plans) == [(0, 8192), (8192, 8192), (16384, 8192), (24576, 5424)]
+    if prefix_cache:
+        assert sorted(checkpoint_slots(sched)) == list(range(256, 30_000, 256)) + [30_000]
+        assert [op.length for p in plans for op in p.ops] == [8192, 16384, 24576, 30_000]
+        assert len(set(checkpoint_slots(sched).values())) == 118
+    else:
+        assert checkpoint_slots(sched) == {} and sched.coord.state_slots.free_count == 130
+
+
+def test_short_state_slots_keep_the_deepest_checkpoints_and_never_fail_the_step():
+    sched = make(num_pages=160, page_size=16, budget=2048, max_context=4096, prefix_cache=True, hybrid=True,
+                 interval=256, state_slots=4, max_pages=160)
+    sched.add(req(1, 2500, max_tokens=1))
+    plan = sched.schedule()
+    (chunk,) = plan.chunks
+    assert len(chunk.token_ids) == 2048 and [t for t, _ in chunk.checkpoints] == [1280, 1536, 1792]
+    sched.on_result(StepResult(plan.step, [], 0.0), plan)
+    assert sorted(checkpoint_slots(sched)) == [1536, 1792, 2048]  # the chunk end's save evicted the oldest
+    plans, deltas = run_to_end(sched)
+    assert deltas[-1].finish_reason == "length"
+    assert prefill_sizes([plan] + plans) == [(0, 2048), (2048, 448), (2496, 4)]
+
+
+def test_an_unaligned_hit_is_cut_at_its_first_boundary_then_chunks_align_again():
+    sched = make(num_pages=128, page_size=16, budget=512, max_context=2048, prefix_cache=True, hybrid=True,
+                 interval=64, state_slots=64, max_pages=128)
+    sched.add(req(1, 700, max_tokens=1))
+    plans, _ = run_to_end(sched)
+    # 700 tokens: [0, 512) by the budget, then cut at the prompt's last page boundary, 688
+    assert prefill_sizes(plans) == [(0, 512), (512, 176), (688, 12)]
+    assert sorted(checkpoint_slots(sched)) == list(range(64, 689, 64)) + [688]
+    sched.add(GenerateRequest(2, list(range(1, 701)) + list(range(800, 900)), SamplingParams(max_tokens=1)))
+    plans, _ = run_to_end(sched)
+    assert plans[0].chunks[0].start_pos == 688  # the prompt-end checkpoint
+    assert prefill_sizes(plans) == [(688, 16), (704, 96)]
+    assert [t for t, _ in plans[1].chunks[0].checkpoints] == [64]  # 768, from an aligned chunk again
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_budget_that_sets_the_end_rounds_it_down_to_the_gdn_chunk(prefix_cache):
+    sched = make(num_pages=64, page_size=16, budget=100, max_context=1024, prefix_cache=prefix_cache,
+                 hybrid=True, interval=64, state_slots=16, max_pages=64)
+    sched.add(req(1, 300, max_tokens=1))
+    plans, _ = run_to_end(sched)
+    # the prompt's last page boundary (288) cuts: an unaligned chunk follows it
+    sizes = [(192, 96), (288, 12)] if prefix_cache else [(192, 64), (256, 44)]
+    assert prefill_sizes(plans) == [(0, 64), (64, 64), (128, 64)] + sizes
+    sched = make(budget=10, prefix_cache=prefix_cache, hybrid=True, interval=64, state_slots=8, num_pages=64)
+    sched.add(req(2, 30, max_tokens=1))
+    plans, _ = run_to_end(sched)  # less than a GDN chunk: the end stays where the budget put it
+    assert [n for _, n in prefill_sizes(plans)] == [10, 10, 8, 2] if prefix_cache else [10, 10, 10]
+
+
+def test_in_chunk_checkpoints_are_copied_out_to_the_cpu_tier_as_they_publish():
+    from hkv.engine.tier_client import TierClient
+    from hkv.ipc.messages import TierFound, TierLookup, TierReserve
+
+    sched = make(num_pages=64, page_size=16, budget=512, max_context=1024, prefix_cache=True, hybrid=True,
+                 interval=64, state_slots=16, max_pages=64)
+    sched.tiers = TierClient(sched.coord, bytes(16), 16, True, 64, 16)
+    sched.limits = dataclasses.replace(sched.limits, tier_checkpoint_interval=128)
+    sched.add(req(1, 300, max_tokens=1))
+    (lookup,) = sched.tiers.take_outbox()
+    assert isinstance(lookup, TierLookup)
+    sched.on_tier_found(TierFound(lookup.lookup_id, 0, [], [], None))
+    plan = sched.schedule()
+    assert [t for t, _ in plan.chunks[0].checkpoints] == [64, 128, 192, 256]  # then cut at 288
+    sched.on_result(StepResult(plan.step, [], 0.0), plan)
+    reserves = [m for m in sched.tiers.take_outbox() if isinstance(m, TierReserve)]
+    # one offload per kept checkpoint at a tier interval multiple and at the prompt's last page
+    # boundary, each covering the pages up to it, with its state
+    assert [(len(m.keys) * 16, m.state) for m in reserves] == [(128, True), (256, True), (288, True)]

@@ -79,8 +79,9 @@ class PagedRun:
         assert upto % PAGE == 0
         self.seqs[name] = {"done": upto, "pages": self.seqs[src]["pages"][: upto // PAGE], "slot": slot}
 
-    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
-        """One forward over all chunks; returns each chunk's logits [q_len, vocab]."""
+    def step(self, chunks: list[tuple[str, list[int]]], checkpoints=()) -> list[torch.Tensor]:
+        """One forward over all chunks; returns each chunk's logits [q_len, vocab].
+        checkpoints: in-chunk checkpoints, (chunk index, tokens, state slot) triples."""
         ids, positions, slot_mapping, rows = [], [], [], []
         q_lens, kv_lens, slots = [], [], []
         for name, tokens in chunks:
@@ -106,6 +107,7 @@ class PagedRun:
             slot_mapping=slot_mapping,
             logits_indices=range(len(ids)),
             state_slots=slots,
+            checkpoints=checkpoints,
         )
         with torch.inference_mode():
             logits = self.model(batch, self.kv, self.state)
@@ -199,6 +201,44 @@ def test_restored_checkpoint_continues_like_the_original(text_ckpt):
     assert torch.equal(original, resumed)
     assert torch.equal(run.state.conv[:, 6], saved[0]) and torch.equal(run.state.recurrent[:, 6], saved[1])
     assert (original - hf_logits(ref, tokens[:14])[8:]).abs().max() < TOL
+
+
+def test_in_chunk_checkpoints_equal_cutting_the_chunk_there(text_ckpt):
+    """Issue 12, acceptance 3 and 4 (fp32, CPU, bit for bit): a 200-token chunk keeping the states at
+    64 and 128 computes what it computes without them, each kept state is the one cutting the chunk
+    there leaves, and a hit resuming at 128 computes the rest of the prompt as the chunk did."""
+    folder, ref = text_ckpt
+    ours = load_model(folder, "float32", "cpu").model
+    tokens = torch.randint(0, 96, (200,), generator=torch.Generator().manual_seed(12)).tolist()
+    other = [5, 6, 7]
+
+    def run(cuts=(), checkpoints=()):
+        paged = PagedRun(ours, seed=2)
+        paged.add("x", 1)
+        paged.add("y", 2)
+        bounds, logits = [0, *cuts, 200], []
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            chunks = [("x", tokens[lo:hi])] + ([("y", other)] if i == 0 else [])
+            logits.append(paged.step(chunks, checkpoints if i == 0 else ())[0])
+            if hi < 200:
+                paged.state.copy_slot(1, 5 + i)  # what cutting the chunk there saves
+        return paged, torch.cat(logits)
+
+    kept, kept_logits = run(checkpoints=[(0, 64, 5), (0, 128, 6)])
+    plain, plain_logits = run()
+    cut, cut_logits = run(cuts=(64, 128))
+    assert torch.equal(kept_logits, plain_logits)
+    for pool in ("conv", "recurrent"):
+        kept_pool, plain_pool, cut_pool = (getattr(r.state, pool) for r in (kept, plain, cut))
+        assert torch.equal(kept_pool[:, 1:3], plain_pool[:, 1:3]), f"{pool}: live states"
+        assert torch.equal(kept_pool[:, 5:7], cut_pool[:, 5:7]), f"{pool}: kept states"
+    assert torch.equal(cut_logits, plain_logits)
+    kept.fork("x", "hit", slot=3, upto=128)
+    kept.state.copy_slot(6, 3)
+    (resumed,) = kept.step([("hit", tokens[128:])])
+    assert torch.equal(resumed, plain_logits[128:])
+    assert torch.equal(kept.state.recurrent[:, 3], plain.state.recurrent[:, 1])
+    assert (plain_logits - hf_logits(ref, tokens)).abs().max() < TOL
 
 
 def test_empty_chunk_leaves_its_state_alone(text_ckpt):
