@@ -53,14 +53,23 @@ def gated_delta_rule_chunked(
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    if checkpoints is not None:
-        raise NotImplementedError("fla-core in-chunk checkpoints: see issue 12")
-
     bounds = meta.cu_seqlens_host
     if bool((bounds[1:] == bounds[:-1]).any()):
         raise ValueError("fla's varlen prefill needs every sequence to have new tokens")
     slot_idx = slots.long()
     initial = state.index_select(0, slot_idx)  # [B, Hv, Dk, Dv]
+    if checkpoints is not None:
+        if not use_qk_l2norm:
+            raise ValueError("in-chunk checkpoints take fla's forward with the qk l2norm in the kernel")
+        out, final, h = _chunked_with_states(
+            q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], g.float().contiguous()[None],
+            beta.contiguous()[None], initial, q.shape[-1] ** -0.5, meta,
+        )
+        seqs, tokens = [e[0] for e in checkpoints.entries], [e[1] for e in checkpoints.entries]
+        # fla keeps its chunk states in the input dtype (bf16): the checkpoints are those, widened
+        state.index_copy_(0, checkpoints.slots, chunk_states(h, meta, seqs, tokens).to(state.dtype))
+        state.index_copy_(0, slot_idx, final.to(state.dtype))
+        return out[0].to(q.dtype)
     # chunk indices come from the host copy: no device sync
     varlen = dict(cu_seqlens=meta.cu_seqlens, cu_seqlens_cpu=bounds) if meta.num_seqs > 1 else {}
     out, final = chunk_gated_delta_rule(

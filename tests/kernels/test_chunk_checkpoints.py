@@ -4,7 +4,7 @@ inside a prefill chunk, written into its own slot by the same forward.
 On CPU (fp32) the references must give, bit for bit, the outputs and final states of the chunk
 without checkpoints, and checkpoint states equal to those of the chunk cut there. The recurrent
 Triton kernel (the interpreter on CPU, CUDA marked gpu) keeps them through its keep slots;
-fla-core's hook is the lead's (xfail until it is filled in).
+fla-core's path (CUDA, bf16/fp16) reads them from the chunk states its forward materializes.
 """
 
 import numpy as np
@@ -121,7 +121,6 @@ def test_recurrent_kernel_keeps_the_checkpoints_through_keep_slots(device, dtype
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or not fla_available(), reason="needs CUDA and fla-core")
-@pytest.mark.xfail(raises=NotImplementedError, reason="issue 12: the fla-core hook is the lead's")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fla_chunk_keeps_the_checkpoints(dtype):
     q, k, v, g, beta, state = _inputs(sum(Q_LENS), "cuda", dtype, (4, 8, 128, 128), seed=6)
