@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from hkv.config import HkvConfig
 from hkv.engine import sizing
@@ -21,6 +22,7 @@ from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 
 log = logging.getLogger("hkv.rank")
 PLAN_SPIN_S = 0.002
+POLL_S = 20e-6  # between looks at the socket and the device while a step runs
 
 
 def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[ModelRunner, int]:
@@ -115,17 +117,49 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
 
 
 async def _step_loop(ctx: ActorContext, inbox, outbox, runner: ModelRunner) -> None:
+    """Keep the device fed: the router sends the next plan before the last one's result is in,
+    so the rank launches it behind the step on the device, then answers that step.
+
+        plan n launched ... plan n+1 arrives -> launch n+1 -> answer n -> (n+1 runs) ...
+    """
+    running = None  # a launched plan not yet answered
+    # on CPU a launch computes the whole step, so launching the next first would only delay this answer
+    behind = runner.device.type == "cuda"
     while True:
-        # 1. wait for a plan
-        msg = await inbox.get()
-        if isinstance(msg, Shutdown):
+        # 1. the next plan: wait for one when idle, else take one that arrives before the step ends
+        msg = await inbox.get() if running is None else _next_or_done(inbox, running)
+        if msg is None or isinstance(msg, Shutdown):
+            if running is not None:
+                await _answer(ctx, outbox, runner, running)
+                running = None
+            if msg is None:
+                continue
             return
-        # 2. run it and 3. answer (rank 0 answers for the group)
-        result = runner.execute(msg)
-        if result.error:
-            log.error("step %d failed: %s", msg.step, result.error)
-        if ctx.rank == 0:
-            await outbox.send(result)
+        # 2. launch it behind the running one, 3. answer the running one (rank 0 for the group)
+        if not behind:
+            await _answer(ctx, outbox, runner, runner.launch(msg))
+            continue
+        launched = runner.launch(msg)
+        if running is not None:
+            await _answer(ctx, outbox, runner, running)
+        running = launched
+
+
+def _next_or_done(inbox, running) -> object | None:
+    """A plan (or Shutdown) that arrives while `running` is on the device, or None once it is done."""
+    while True:
+        msg = inbox.poll()
+        if msg is not None or running.done():
+            return msg
+        time.sleep(POLL_S)
+
+
+async def _answer(ctx: ActorContext, outbox, runner: ModelRunner, launched) -> None:
+    result = runner.finish(launched)
+    if result.error:
+        log.error("step %d failed: %s", result.step, result.error)
+    if ctx.rank == 0:
+        await outbox.send(result)
 
 
 def main() -> None:

@@ -2,18 +2,20 @@
 
     api --Inbound--> [inbox] --+
                                v
-    1. drain inbox -> 2. schedule, send the plan -> 3. publish the previous step's tokens --> api
-       -> wait for the result -> apply it
+    1. drain inbox -> 2. plan step n+1, send it -> 3. wait for step n's result, apply it,
+       stream its tokens --> api
 
-One StepPlan goes out and one StepResult comes back per step; one TokenBatch
-per step goes to the api, sent while the ranks run the next step.
+The router plans one step ahead: step n+1 is planned and sent while the ranks
+run step n (the scheduler publishes what n computes before planning past it,
+and the rank feeds in the tokens n samples). One StepPlan goes out and one
+StepResult comes back per step; one TokenBatch per step goes to the api.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
 
 import zmq.asyncio
 
@@ -53,16 +55,7 @@ log = logging.getLogger("hkv.router")
 RADIX_EVERY_S = 0.5
 STEP_EMA_WEIGHT = 0.2
 RADIX_LIST_MAX = 2048  # checkpoint nodes listed; ~60 bytes each fits RADIX_BYTES
-
-
-@dataclass(frozen=True)
-class StepDone:
-    """A step whose result is in but whose tokens are not yet streamed."""
-
-    plan: StepPlan
-    result: StepResult
-    deltas: list
-    wall_s: float  # from the end of the previous step (or leaving idle) to this result applied
+MAX_AHEAD = 2  # plans out at once: the one the ranks run and the next, planned while it runs
 
 
 class Router:
@@ -138,45 +131,51 @@ class Router:
         self.kv_pages = kv_pages
 
     async def run(self) -> None:
-        """The step loop. A step's tokens and stats are published while the next step runs,
-        so the ranks wait only for scheduling, never for the api link."""
+        """The step loop, one step ahead: the next plan is planned and sent while the ranks run the
+        current one, so neither waits for the other's host work.
+
+            1. take in requests and aborts (wait only when nothing runs or can run)
+            2. plan and send the next step, while fewer than MAX_AHEAD plans are out
+            3. apply the oldest plan's result and stream its tokens
+        """
         self.record_pools()
         await self.to_api.send(EngineState(ready=True, alive=True, waiting=0, running=0,
                                            kv_tokens=self.kv_pages * self.cfg.cache.page_size))
+        sent: deque[StepPlan] = deque()  # plans out, oldest first
         stuck = False  # nothing could run: only a new request or an abort can change that
-        done: StepDone | None = None  # the last step, not yet published
-        step_end = time.perf_counter()
+        last_result = time.perf_counter()
         while True:
-            # 1. take in requests and aborts (wait when there is nothing to run)
-            idle = stuck or not self.scheduler.has_work()
+            # 1. take in requests and aborts
+            idle = not sent and (stuck or not self.scheduler.has_work())
             if idle:
-                done = await self.publish_step(done)
                 self.record_radix(force=True)
             await self.drain_inbox(block=idle)
             await self.answer_flushes()
-            started = time.perf_counter() if idle else step_end
-            # 2. schedule and start the step
-            plan = self.scheduler.schedule()
-            await self.send_tier()
-            stuck = plan is None
-            if plan is None:
+            if idle:
+                last_result = time.perf_counter()  # a step's wall time counts from leaving idle
+            # 2. plan ahead
+            if len(sent) < MAX_AHEAD:
+                plan = self.scheduler.schedule()
+                await self.send_tier()
+                stuck = plan is None
+                if plan is not None:
+                    await self.send_plan(plan)
+                    sent.append(plan)
+                    if len(sent) < MAX_AHEAD and self.scheduler.has_work():
+                        continue  # plan one more before waiting
+            if not sent:
                 await self.publish(self.scheduler.take_finished())
                 continue
-            await self.send_plan(plan)
-            # 3. publish the previous step while the ranks run this one
-            done = await self.publish_step(done)
+            # 3. the oldest plan's result (which may free what a plan that could not be made needs)
+            plan = sent.popleft()
             result = await self.wait_result(plan)
             deltas = self.scheduler.on_result(result, plan)
+            stuck = False
             await self.send_tier()
-            step_end = time.perf_counter()
-            done = StepDone(plan, result, deltas, step_end - started)
-
-    async def publish_step(self, done: "StepDone | None") -> None:
-        """Stream a finished step's tokens and record its stats; returns None (nothing pending)."""
-        if done is not None:
-            await self.publish(done.deltas)
-            self.record_step(done.plan, done.result, done.wall_s)
-        return None
+            now = time.perf_counter()
+            await self.publish(deltas)
+            self.record_step(plan, result, now - last_result)
+            last_result = now
 
     async def drain_inbox(self, block: bool) -> None:
         """Apply every queued request and abort; with no work, wait for the first."""

@@ -49,7 +49,8 @@ class DecodeGraphs:
         self.block_t: int = max(1, self.tile[0] // group)
         fields = dict.fromkeys(("input_ids", "positions", "slot_mapping", "logits_indices", "state_slots",
                                 "q_start", "q_len", "kv_len", "table_rows", "attn_block_seq", "attn_block_tok",
-                                "conv_block_seq", "conv_block_tok"), max_bs)
+                                "conv_block_seq", "conv_block_tok", "sample_rows", "follow_idx", "follow_rows"),
+                               max_bs)
         fields["cu_seqlens"] = max_bs + 1
         # a decode step adds at most one page per sequence; a 1-token first chunk after a long hit
         # adds more, and then the pages go up in their own copy (DevicePageTable.upload)
@@ -103,7 +104,7 @@ class DecodeGraphs:
 
     def _static_batch(self, b: int, views: dict[str, torch.Tensor]) -> ForwardBatch:
         sliced = {name: view[: b + 1] if name == "cu_seqlens" else view[:b] for name, view in views.items()
-                  if name not in ("table_idx", "table_val")}
+                  if name not in ("table_idx", "table_val", "sample_rows", "follow_idx", "follow_rows")}
         return ForwardBatch(
             input_ids=sliced["input_ids"], positions=sliced["positions"], slot_mapping=sliced["slot_mapping"],
             logits_indices=sliced["logits_indices"], page_table=self.pages.table,
@@ -127,14 +128,17 @@ class DecodeGraphs:
             self.pool = graph.pool()
         self.graphs[b], self.batches[b] = graph, batch
 
-    def replay(self, inputs: StepInputs, idx: np.ndarray, vals: np.ndarray) -> torch.Tensor:
-        """Run a decode step (every q_len is 1) from its bucket's graph; returns logits [B, vocab].
+    def replay(self, inputs: StepInputs, idx: np.ndarray, vals: np.ndarray, feed) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run a decode step (every q_len is 1) from its bucket's graph; returns logits [B, vocab]
+        and the sampling rows [B] on the device.
 
-        idx, vals: the device page table's new entries for this step (DevicePageTable.updates).
+        idx, vals: the device page table's new entries for this step (DevicePageTable.updates);
+        feed(input_ids, follow_idx, follow_rows): writes fed-in tokens (ModelRunner.feed).
         """
         n = len(inputs.q_lens)
         b = self.bucket(n)
         arrays = self._padded(inputs, b)
+        arrays.update(sample_rows=inputs.sample_rows, follow_idx=inputs.follow_idx, follow_rows=inputs.follow_rows)
         fits = len(idx) <= self.table_room
         if not fits:
             self.pages.upload(idx, vals)
@@ -143,9 +147,11 @@ class DecodeGraphs:
         views = self.arena.pack(arrays, self.layout)
         if fits:
             self.pages.apply(views["table_idx"][: len(idx)], views["table_val"][: len(vals)])
+        follows = len(inputs.follow_idx)
+        feed(self.batches[b].input_ids, views["follow_idx"][:follows], views["follow_rows"][:follows])
         graph = self.graphs[b]
         if graph is None:
             self.logits[:b].copy_(self.model(self.batches[b], self.kv, self.state))
         else:
             graph.replay()
-        return self.logits[:n]
+        return self.logits[:n], views["sample_rows"][:n]

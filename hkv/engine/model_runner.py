@@ -14,13 +14,14 @@ tensors and the forward runs the pure-torch references.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from hkv.cache.types import LoadPages, LoadState, RestoreCheckpoint, SaveCheckpoint, StorePages, StoreState
 from hkv.engine.cuda_graphs import DecodeGraphs
-from hkv.engine.sampler import SampleRow, sample
+from hkv.engine.sampler import PendingSample, SampleRow, sample_async
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import Sampled, SamplingParams, StepPlan, StepResult
 from hkv.ipc.request_table import RequestTable
@@ -28,6 +29,21 @@ from hkv.models.batch import ForwardBatch
 from hkv_kernels.dispatch import copy_blocks  # imports no kernel until a CUDA tensor asks
 from hkv_kernels.gdn import GDN_CHUNK
 from hkv_kernels.meta import StepArena, attention_tile, checkpoint_arrays, checkpoint_meta, kernel_meta, meta_arrays
+
+
+@dataclass
+class Launched:
+    """A plan the device is running: what `finish` needs to answer it."""
+
+    plan: StepPlan
+    slots: list[int]  # request-table rows of the sampling chunks, in plan order
+    sample: PendingSample | None  # None: nothing sampled (a copies-only plan) or the launch failed
+    started: float  # perf_counter at launch
+    error: str | None = None
+
+    def done(self) -> bool:
+        """The device finished it (its sampled ids are on the host)."""
+        return self.sample is None or self.sample.done()
 
 
 class ModelRunner:
@@ -47,6 +63,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampling: dict[int, SamplingParams] = {}  # slot -> params of the sequence in it
         self.state_slots: dict[int, int] = {}  # slot -> live linear-state slot of its sequence
+        # the token each request-table row sampled last, where the device wrote it: a plan sent
+        # before that token's result was in feeds it in from here (Chunk.follows)
+        self.last_tokens: torch.Tensor = torch.zeros(table.layout.slots + 1, dtype=torch.long, device=self.device)
         cfg = model.cfg
         self.attn_dims: tuple[int, int] = (cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim)
         self.pages: DevicePageTable | None = None  # CUDA: page ids mirrored on the device
@@ -74,7 +93,43 @@ class ModelRunner:
         return self.graphs.capture_all() if self.graphs is not None else 0.0
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run the plan; failures become a StepResult with `error` set."""
+        """Run the plan and wait for its result; failures become a StepResult with `error` set."""
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> "Launched":
+        """Start the plan: cache ops, forward and sampling are queued on the device, the sampled
+        ids land in `last_tokens` there (a following plan may feed them in), and nothing waits
+        for the device unless a row samples on the host. `finish` waits and builds the result."""
+        self._take_membership(plan)
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self._run_cache_ops(plan)
+                if not plan.chunks:  # a copies-only plan (tier stores while nothing runs)
+                    self._sync()
+                    return Launched(plan, [], None, started)
+                self._reset_fresh_states(plan)
+                logits, sample_rows = self.forward(plan)  # [S, vocab], [S]
+                rows = [SampleRow(self.sampling[c.slot], c.start_pos + len(c.token_ids))
+                        for c in plan.chunks if c.sample]
+                pending = sample_async(logits, rows)
+                if rows:
+                    self.last_tokens.index_copy_(0, sample_rows, pending.ids)
+        except Exception as exc:  # a failed step fails its requests, not the rank
+            return Launched(plan, [], None, started, f"{type(exc).__name__}: {exc}")
+        return Launched(plan, [c.slot for c in plan.chunks if c.sample], pending, started)
+
+    def finish(self, launched: "Launched") -> StepResult:
+        """Wait for a launched plan's sampled ids (only they, and requested logprobs, come back)."""
+        plan = launched.plan
+        if launched.error is not None:
+            return StepResult(plan.step, [], 0.0, launched.error)
+        outs = launched.sample.outputs() if launched.sample is not None else []
+        forward_s = time.perf_counter() - launched.started
+        sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(launched.slots, outs)]
+        return StepResult(plan.step, sampled, forward_s)
+
+    def _take_membership(self, plan: StepPlan) -> None:
         for slot in plan.freed:
             self.sampling.pop(slot, None)
             self.state_slots.pop(slot, None)
@@ -84,33 +139,6 @@ class ModelRunner:
                 self.state_slots[seq.slot] = seq.state_slot
             if self.pages is not None:
                 self.pages.reset(seq.slot)
-        forward_s = 0.0
-        if not plan.chunks:  # a copies-only plan (tier stores while nothing runs)
-            try:
-                with torch.inference_mode():
-                    self._run_cache_ops(plan)
-                    self._sync()
-            except Exception as exc:
-                return StepResult(plan.step, [], 0.0, f"{type(exc).__name__}: {exc}")
-            return StepResult(plan.step, [], 0.0)
-        try:
-            with torch.inference_mode():
-                self._run_cache_ops(plan)
-                self._reset_fresh_states(plan)
-                start = time.perf_counter()
-                logits = self.forward(plan)  # [S, vocab]
-                rows = [
-                    SampleRow(self.sampling[c.slot], c.start_pos + len(c.token_ids))
-                    for c in plan.chunks
-                    if c.sample
-                ]
-                outs = sample(logits, rows)  # waits for the device: only the sampled ids come back
-                forward_s = time.perf_counter() - start
-        except Exception as exc:  # a failed step fails its requests, not the rank
-            return StepResult(plan.step, [], forward_s, f"{type(exc).__name__}: {exc}")
-        slots = [c.slot for c in plan.chunks if c.sample]
-        sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(slots, outs)]
-        return StepResult(plan.step, sampled, forward_s)
 
     def _run_cache_ops(self, plan: StepPlan) -> None:
         """Checkpoint saves and restores and tier copies, in the order the router emitted them."""
@@ -174,18 +202,28 @@ class ModelRunner:
             if chunk.start_pos == 0:
                 self.state.zero_slot(self.state_slots[chunk.slot])
 
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """The plan's forward: logits [S, vocab] of its sampling chunks (a graph replay for
-        decode steps that fit a captured bucket, an eager forward otherwise)."""
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plan's forward: logits [S, vocab] of its sampling chunks and their request-table
+        rows [S] on the device (a graph replay for decode steps that fit a captured bucket, an
+        eager forward otherwise). Fed-in tokens (Chunk.follows) come from `last_tokens`."""
         inputs = StepInputs.of(plan.chunks, self.table, self.page_size,
                                self.state_slots if self.state is not None else None)
         if self.pages is None:
-            return self.model(self.cpu_batch(inputs), self.kv, self.state)
+            batch = self.cpu_batch(inputs)
+            self.feed(batch.input_ids, torch.from_numpy(inputs.follow_idx), torch.from_numpy(inputs.follow_rows))
+            return self.model(batch, self.kv, self.state), torch.from_numpy(inputs.sample_rows)
         idx, vals = self.pages.updates(inputs, self.table, self.page_size)
         decode = bool((inputs.q_lens == 1).all()) and len(inputs.logits_indices) == len(inputs.q_lens)
         if self.graphs is not None and decode and self.graphs.bucket(len(inputs.q_lens)) is not None:
-            return self.graphs.replay(inputs, idx, vals)
-        return self.model(self.cuda_batch(inputs, idx, vals), self.kv, self.state)
+            return self.graphs.replay(inputs, idx, vals, self.feed)
+        batch, views = self.cuda_batch(inputs, idx, vals)
+        self.feed(batch.input_ids, views["follow_idx"], views["follow_rows"])
+        return self.model(batch, self.kv, self.state), views["sample_rows"]
+
+    def feed(self, input_ids: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """input_ids[idx[i]] = the token row rows[i] sampled last (a device gather, no wait)."""
+        if idx.numel():
+            input_ids.index_copy_(0, idx, self.last_tokens.index_select(0, rows))
 
     def cpu_batch(self, inputs: StepInputs) -> ForwardBatch:
         """The CPU forward's batch: page table rows per sequence, in batch order."""
@@ -195,14 +233,17 @@ class ModelRunner:
             state_slots=inputs.state_slots, checkpoints=inputs.checkpoints,
         )
 
-    def cuda_batch(self, inputs: StepInputs, idx: np.ndarray, vals: np.ndarray) -> ForwardBatch:
-        """An eager CUDA step's batch: every array in one arena copy, page ids by request-table row."""
+    def cuda_batch(self, inputs: StepInputs, idx: np.ndarray, vals: np.ndarray
+                   ) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+        """An eager CUDA step's batch (and the arena views): every array in one copy, page ids by
+        request-table row."""
         group, head_dim = self.attn_dims
         tile = attention_tile(int(inputs.q_lens.max()), group, head_dim, self.kv.k.dtype)
         block_t = max(1, tile[0] // group)
         arrays = meta_arrays(inputs.q_lens, inputs.kv_lens, inputs.rows, block_t)
         arrays.update(input_ids=inputs.input_ids, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
-                      logits_indices=inputs.logits_indices)
+                      logits_indices=inputs.logits_indices, sample_rows=inputs.sample_rows,
+                      follow_idx=inputs.follow_idx, follow_rows=inputs.follow_rows)
         if inputs.state_slots is not None:
             arrays["state_slots"] = inputs.state_slots
         if inputs.checkpoints:
@@ -220,4 +261,4 @@ class ModelRunner:
             logits_indices=views["logits_indices"], page_table=self.pages.table,
             meta=kernel_meta(views, inputs.q_lens, tile, block_t), state_slots=views.get("state_slots"),
             checkpoints=checkpoint_meta(views, inputs.checkpoints),
-        )
+        ), views

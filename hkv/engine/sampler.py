@@ -31,6 +31,43 @@ class SampleOutput:
     top_logprobs: list[TopLogprob] | None
 
 
+class PendingSample:
+    """One step's sampled ids: on the device at once (the next step may feed them in), on the
+    host once `outputs` waits for them."""
+
+    def __init__(self, ids: torch.Tensor, host: torch.Tensor | None = None, outs: list[SampleOutput] | None = None):
+        self.ids: torch.Tensor = ids  # [S] int64 on the logits' device
+        self._host: torch.Tensor | None = host  # pinned copy in flight (CUDA, greedy rows only)
+        self._event: torch.cuda.Event | None = None
+        self._outs: list[SampleOutput] | None = outs
+        if host is not None:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def done(self) -> bool:
+        """The ids have reached the host (or never had to travel)."""
+        return self._event is None or self._event.query()
+
+    def outputs(self) -> list[SampleOutput]:
+        if self._outs is None:
+            self._event.synchronize()
+            self._outs = [SampleOutput(t, None, None) for t in self._host.tolist()]
+        return self._outs
+
+
+def sample_async(logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
+    """`sample`, without waiting for the device when every row is greedy and wants no logprobs
+    (the decode path): argmax on the device, a non-blocking copy of the ids to the host."""
+    if logits.is_cuda and all(r.sampling.temperature <= 0 and r.sampling.logprobs is None for r in rows):
+        ids = logits.argmax(dim=-1)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        return PendingSample(ids, host=host)
+    outs = sample(logits, rows)
+    ids = torch.tensor([o.token_id for o in outs], dtype=torch.long).to(logits.device)
+    return PendingSample(ids, outs=outs)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleOutput]:
     """Pick one token per row of `logits` ([S, vocab], fp32)."""
     tokens = logits.argmax(dim=-1).tolist()  # [S]; greedy rows keep these

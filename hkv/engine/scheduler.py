@@ -44,7 +44,9 @@ from hkv.engine.tier_client import TierClient, TierHit
 from hkv.ipc.messages import (
     Chunk, GenerateRequest, NewSequence, SamplingParams, StepPlan, StepResult, TierFound, TierReserved, TokenDelta,
 )  # fmt: skip
-from hkv.ipc.request_table import RequestTable, SlotPhase
+from hkv.engine.publishing import Publishing
+from hkv.engine.slot_book import SlotBook
+from hkv.ipc.request_table import RequestTable
 from hkv_kernels.gdn import GDN_CHUNK
 
 
@@ -70,7 +72,9 @@ class Sequence:
     slot: int | None = None  # request-table row while admitted
     state_slot: int | None = None  # live linear-state slot while admitted (hybrid)
     pages: list[int] = field(default_factory=list)  # page ids, in order (shared prefix pages first)
-    kv_len: int = 0  # tokens of all_ids whose K/V are computed
+    kv_len: int = 0  # tokens of all_ids whose K/V are computed, or being computed by sent plans
+    pending_samples: int = 0  # tokens sampled by sent plans whose results are not in yet (0 to 2)
+    done_len: int = 0  # tokens whose K/V steps with results in have computed
     admit_order: int = 0  # larger = admitted later = preempted first
     cached_tokens: int | None = None  # prompt tokens its first admission took from the cache
     cache_tiers: dict[str, int] | None = None  # those tokens per tier: {"gpu", "cpu", "disk", "peer"}
@@ -95,7 +99,7 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[: stop - prompt_len]
 
 
-class Scheduler:
+class Scheduler(Publishing):
     """Owns waiting and running sequences and their request-table rows."""
 
     def __init__(self, limits: SchedulerLimits, coord: CacheCoordinator, table: RequestTable,
@@ -109,15 +113,15 @@ class Scheduler:
         self.tiers = tiers  # the CPU/disk tiers' router half; None without --cpu-cache-gb
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # req_id -> sequence, in admission order
-        self.free_slots: list[int] = list(range(min(limits.max_running, table.layout.slots)))[::-1]
+        self.slots: SlotBook = SlotBook(table, min(limits.max_running, table.layout.slots))
         self.by_slot: dict[int, Sequence] = {}
         self.preemptions = 0  # sequences preempted for pages, ever
         self._step = itertools.count(1)
         self._admit_counter = itertools.count(1)
-        self._freed_slots: list[int] = []  # slots released since the last plan
         self._ops: list[CacheOp] = []  # cache ops for the next plan, in emission order
         self._finished: list[TokenDelta] = []  # deltas produced outside a step (aborts)
-        self._in_flight: dict[int, Sequence] = {}  # slot -> sequence of the plan in flight
+        self._sent: dict[int, dict[int, Sequence]] = {}  # step -> {slot: sequence} of plans without a result
+        self._unpublished: dict[int, StepPlan] = {}  # sent plans whose computed prefixes are not published yet
 
     def add(self, req: GenerateRequest) -> None:
         seq = Sequence(req.req_id, list(req.prompt_ids), req.sampling)
@@ -164,6 +168,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def free_slots(self) -> list[int]:
+        return self.slots.free
+
+    @property
+    def in_flight(self) -> int:
+        """Sent plans whose results are not in yet."""
+        return len(self._sent)
+
     def _drop_tier(self, seq: Sequence) -> None:
         """Let go of the tier run a waiting sequence will not load."""
         if self.tiers is None:
@@ -186,6 +199,7 @@ class Scheduler:
         scheduled sequences. The plan carries the cache ops emitted since the
         last plan; ranks run them, in order, before the forward.
         """
+        self._publish_sent()
         budget = self.limits.token_budget
         chunks: list[Chunk] = []
         new: list[NewSequence] = []
@@ -212,13 +226,17 @@ class Scheduler:
             if not self._ops:
                 return None
         # a plan with ops and no chunks only copies (tier stores waiting on an idle engine)
-        freed, self._freed_slots = self._freed_slots, []
         ops, self._ops = self._ops, []
-        self._in_flight = {c.slot: self.by_slot[c.slot] for c in chunks}
         step = next(self._step)
+        plan = StepPlan(step=step, new=new, chunks=chunks, freed=self.slots.take_freed(), ops=ops)
+        self._sent[step] = {c.slot: self.by_slot[c.slot] for c in chunks}
+        for c in chunks:
+            self.slots.used_by(c.slot, step)
+        if chunks:
+            self._unpublished[step] = plan
         if self.tiers is not None:
             self.tiers.plan_built(step)
-        return StepPlan(step=step, new=new, chunks=chunks, freed=freed, ops=ops)
+        return plan
 
     def _next_ready(self) -> Sequence | None:
         """The first waiting sequence not waiting for its tier lookup."""
@@ -266,8 +284,18 @@ class Scheduler:
         return sorted(out)
 
     def _plan_running(self, seq: Sequence, budget: int) -> Chunk | None:
-        """Reserve this step's tokens for a running sequence, preempting newer ones if needed."""
-        end, depths = self._chunk_end(seq, seq.kv_len, budget)
+        """Reserve this step's tokens for a running sequence, preempting newer ones if needed.
+
+        A sequence whose last sent chunk samples a token not yet returned decodes that token
+        next (the rank feeds it in: `Chunk.follows`), unless that token will surely finish it.
+        """
+        follows = seq.pending_samples > 0
+        if follows:
+            if seq.pending_samples > 1 or self._ends_with_pending(seq):
+                return None
+            end, depths = seq.kv_len + 1, ()
+        else:
+            end, depths = self._chunk_end(seq, seq.kv_len, budget)
         while True:
             txn = self.coord.begin(seq.req_id)
             try:
@@ -283,7 +311,11 @@ class Scheduler:
                 return None
         seq.pages = list(grant.pages)
         self._ops.extend(grant.ops)
-        return self._chunk(seq, seq.kv_len, end, grant.checkpoints)
+        return self._chunk(seq, seq.kv_len, end, grant.checkpoints, follows)
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """The token in flight is its last by length (an EOS is only known when it returns)."""
+        return len(seq.output_ids) + 1 >= seq.sampling.max_tokens or seq.total_len + 1 >= self.limits.max_context
 
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
         """Admit the head of the queue at its longest cached prefix, or change nothing."""
@@ -302,7 +334,7 @@ class Scheduler:
         except CapacityError:
             txn.rollback()
             return None
-        seq.slot = self.free_slots.pop()
+        seq.slot = self.slots.take()
         seq.state_slot = grant.state_slots[0] if self.limits.hybrid else None
         seq.admit_order = next(self._admit_counter)
         seq.pages = list(grant.pages)
@@ -362,15 +394,22 @@ class Scheduler:
             except CapacityError:
                 continue
 
-    def _chunk(self, seq: Sequence, start: int, end: int, checkpoints: tuple[CheckpointRef, ...]) -> Chunk:
+    def _chunk(self, seq: Sequence, start: int, end: int, checkpoints: tuple[CheckpointRef, ...],
+               follows: bool = False) -> Chunk:
+        """The chunk [start, end) of the sequence; its K/V count as computed from now on."""
         self._write_row(seq, end)
         kept = [[ckpt.length - start, ckpt.slot] for ckpt in checkpoints]
-        return Chunk(seq.slot, seq.token_slice(start, end), start, end == seq.total_len, kept)
+        seq.kv_len = end
+        # a following chunk's one token is the one its previous chunk samples: the rank feeds it in
+        tokens = [0] if follows else seq.token_slice(start, end)
+        sample = follows or end == seq.total_len
+        seq.pending_samples += sample
+        return Chunk(seq.slot, tokens, start, sample, kept, follows)
 
     def _reject_unfittable(self) -> None:
         """With nothing running or held for a tier copy, every page is free (or evictable):
         a head that still cannot start never will."""
-        if self.running or not self.free_slots or self.coord.holds:
+        if self.running or not self.free_slots or self.coord.holds or self._sent:
             return
         seq = self._next_ready()
         if seq is None:
@@ -387,106 +426,60 @@ class Scheduler:
         """Give back all but its published prefix; it resumes from a cache hit later."""
         self.coord.pause(seq.req_id)
         self._free_slot(seq)
-        seq.kv_len = 0
+        seq.kv_len = seq.done_len = 0
+        seq.pending_samples = 0  # the results of its sent chunks are dropped
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def _write_row(self, seq: Sequence, kv_end: int) -> None:
         """Fill the slot's row; after admission only what a step changes (pages only grow)."""
-        t, slot = self.table, seq.slot
-        if seq.table_pages == 0:
-            t.write_pages(slot, seq.pages)
-            t.req_id[slot] = seq.req_id
-            t.prompt_len[slot] = len(seq.prompt_ids)
-            t.cached_len[slot] = seq.cached_tokens or 0
-        elif len(seq.pages) > seq.table_pages:
-            t.append_pages(slot, seq.pages[seq.table_pages :])
-        seq.table_pages = len(seq.pages)
-        t.output_len[slot] = len(seq.output_ids)
-        t.kv_len[slot] = kv_end
-        t.phase[slot] = SlotPhase.DECODE if seq.output_ids else SlotPhase.PREFILL
+        seq.table_pages = self.slots.write_row(seq.slot, seq.pages, seq.table_pages, seq.req_id, len(seq.prompt_ids),
+                                               seq.cached_tokens or 0, len(seq.output_ids), kv_end)
 
     def on_result(self, result: StepResult, plan: StepPlan) -> list[TokenDelta]:
-        """Apply a rank's result to the plan it answers; returns deltas to stream."""
-        in_flight, self._in_flight = self._in_flight, {}
+        """Apply a rank's result to the plan it answers (plans are answered in sending order);
+        returns deltas to stream.
+
+        A plan still unpublished (nothing was planned after it before its result) publishes
+        now, first: its checkpoint saves then ride the next plan, ahead of any forward that
+        moves the live states on.
+        """
+        sent = self._sent.pop(plan.step, {})
         deltas = self.take_finished()
         if self.tiers is not None:
             self.tiers.step_done(plan.step, result.error is None)
+        unpublished = self._unpublished.pop(plan.step, None)
         if result.error is not None:
-            for seq in in_flight.values():
-                if seq.req_id in self.running:
-                    self._leave(seq, publish=False)
-                    deltas.append(_delta(seq, [], "error", result.error))
-            return deltas
-        sampled = iter(result.sampled)
-        for chunk in plan.chunks:
-            seq = in_flight[chunk.slot]
-            token = next(sampled) if chunk.sample else None
-            if seq.req_id not in self.running or seq.slot != chunk.slot:
-                continue  # aborted while the step ran: drop its token
-            seq.kv_len = chunk.start_pos + len(chunk.token_ids)
-            self._publish_in_chunk(seq, chunk)
-            prefill = len(chunk.token_ids) > 1
-            if token is None:
-                self._publish(seq, prefill)
-            else:
-                deltas.append(self._append_token(seq, token, prefill))
+            self._fail(sent, result.error, deltas, published=unpublished is None)
+        else:
+            if unpublished is not None:
+                self._publish_plan(unpublished, sent)
+            sampled = iter(result.sampled)
+            for chunk in plan.chunks:
+                seq = sent[chunk.slot]
+                token = next(sampled) if chunk.sample else None
+                if seq.req_id not in self.running or seq.slot != chunk.slot:
+                    continue  # aborted or preempted while the step ran: drop its token
+                seq.done_len = chunk.start_pos + len(chunk.token_ids)
+                if token is not None:
+                    deltas.append(self._append_token(seq, token))
+        self.slots.step_done(plan.step)
         return deltas
 
-    def _publish_in_chunk(self, seq: Sequence, chunk: Chunk) -> None:
-        """Publish the checkpoints the forward kept inside the chunk (interval boundaries). With
-        tiers each one at a multiple of --tier-checkpoint-interval publishes on its own and is
-        copied out; a publish attaches every pending checkpoint up to its depth, so one publish
-        at the deepest takes the rest."""
-        if not chunk.checkpoints:
-            return
-        all_ids = seq.all_ids()
-        depths = [chunk.start_pos + tokens for tokens, _ in chunk.checkpoints]
-        tier_interval = self.limits.tier_checkpoint_interval
-        offloaded = [d for d in depths if self.tiers is not None and tier_interval and d % tier_interval == 0]
-        for depth in offloaded:
-            self.coord.publish(seq.req_id, all_ids, depth, checkpoint=True)
-            self._offload(seq)
-        if not offloaded or offloaded[-1] != depths[-1]:
-            self.coord.publish(seq.req_id, all_ids, depths[-1], checkpoint=True)
+    def _fail(self, sent: dict[int, Sequence], error: str, deltas: list[TokenDelta], published: bool) -> None:
+        """A step failed: its sequences fail. When its prefixes were published ahead of the result,
+        the device cache and the copies out cannot be trusted: both are dropped."""
+        for seq in sent.values():
+            if seq.req_id in self.running:
+                self._leave(seq, publish=False)
+                deltas.append(_delta(seq, [], "error", error))
+        if published and sent:
+            self.coord.flush()
+            if self.tiers is not None:
+                self.tiers.poison()
 
-    def _publish(self, seq: Sequence, prefill: bool) -> None:
-        """Cache the computed prefix; on a hybrid model save the state at each page boundary.
-
-        Dense: after a prefill chunk and when decoding fills a page (publishing a
-        prefix that did not grow by a page would change nothing). Hybrid: a
-        checkpoint boundary (an interval multiple, the prompt's last page
-        boundary) keeps its checkpoint and is offloaded; any other page boundary
-        moves the sequence's rolling checkpoint there (see the module docstring).
-        """
-        if not self.coord.spec.prefix_cache:
-            return
-        ps, end = self.limits.page_size, seq.kv_len
-        at_page = end % ps == 0
-        if not self.limits.hybrid:
-            if at_page or prefill:
-                self.coord.publish(seq.req_id, seq.all_ids(), end)
-                if prefill:
-                    self._offload(seq)
-            return
-        if at_page:
-            interval = self.limits.checkpoint_interval
-            kept = end == len(seq.prompt_ids) // ps * ps or bool(interval and end % interval == 0)
-            published = self.coord.publish(seq.req_id, seq.all_ids(), end, checkpoint=True, rolling=not kept)
-            # ahead of this plan's admissions: a RestoreCheckpoint from a moved checkpoint reads the new state
-            self._ops.extend(published.ops)
-            tier_interval = self.limits.tier_checkpoint_interval  # the tiers keep fewer interior checkpoints
-            if end == len(seq.prompt_ids) // ps * ps or (tier_interval and end % tier_interval == 0):
-                self._offload(seq)
-
-    def _offload(self, seq: Sequence) -> None:
-        """Copy the published prefix out to the CPU tier: prompt checkpoints and prefill
-        chunks as they publish, the rest on finish (not every decode page)."""
-        if self.tiers is not None:
-            self.tiers.offload(seq.req_id, seq.keys, seq.all_ids())
-
-    def _append_token(self, seq: Sequence, sampled, prefill: bool) -> TokenDelta:
-        self._publish(seq, prefill)
+    def _append_token(self, seq: Sequence, sampled) -> TokenDelta:
+        seq.pending_samples -= 1
         seq.output_ids.append(sampled.token_id)
         reason = self._finish_reason(seq, sampled.token_id)
         lp = None if sampled.logprob is None else [sampled.logprob]
@@ -511,8 +504,9 @@ class Scheduler:
         A hybrid one published as it went; its rolling checkpoint (its last page
         boundary) stays in the tree, and a finish copies it out with the prefix.
         """
-        if publish and not self.limits.hybrid and self.coord.spec.prefix_cache and seq.kv_len:
-            self.coord.publish(seq.req_id, seq.all_ids(), seq.kv_len)
+        if publish and not self.limits.hybrid and self.coord.spec.prefix_cache and seq.done_len:
+            # what finished steps computed (a step still in flight may yet fail)
+            self.coord.publish(seq.req_id, seq.all_ids(), seq.done_len)
         if publish:
             self._offload(seq)
         self.coord.release(seq.req_id)
@@ -524,10 +518,8 @@ class Scheduler:
         seq.table_pages = 0
         seq.state_slot = None
         if seq.slot is not None:
-            self.table.clear(seq.slot)
             self.by_slot.pop(seq.slot, None)
-            self.free_slots.append(seq.slot)
-            self._freed_slots.append(seq.slot)
+            self.slots.release(seq.slot)  # at once, or when the sent plans using it are done
             seq.slot = None
         self.running.pop(seq.req_id, None)
 

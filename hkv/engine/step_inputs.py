@@ -37,6 +37,9 @@ class StepInputs:
     rows: np.ndarray  # [B] request-table row (slot) of each sequence
     max_pages: int  # pages the longest sequence's KV spans
     state_slots: np.ndarray | None  # [B] live linear-state slot of each sequence (hybrid models)
+    sample_rows: np.ndarray  # [S] request-table row of each sampling chunk, in logits order
+    follow_idx: np.ndarray  # [F] token index of each fed-in token (Chunk.follows), into input_ids
+    follow_rows: np.ndarray  # [F] the row whose last sampled token it is
     checkpoints: tuple[tuple[int, int, int], ...] = ()  # (sequence, tokens, state slot): see CheckpointMeta
 
     @classmethod
@@ -53,6 +56,7 @@ class StepInputs:
         positions = starts[seq_of_token] + (np.arange(int(q_lens.sum())) - first_token[seq_of_token])  # [T]
         pages = table.page_ids[rows[seq_of_token], positions // page_size].astype(np.int64)  # [T]
         sample_rows = np.array([c.sample for c in chunks], dtype=bool)
+        follows = np.array([c.follows for c in chunks], dtype=bool)
         return cls(
             input_ids=np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
                                   count=int(q_lens.sum())),
@@ -64,6 +68,9 @@ class StepInputs:
             rows=rows,
             max_pages=max_pages,
             state_slots=None if state_of is None else np.array([state_of[c.slot] for c in chunks], dtype=np.int64),
+            sample_rows=rows[sample_rows],
+            follow_idx=first_token[follows],
+            follow_rows=rows[follows],
             checkpoints=_checkpoints_of(chunks),
         )
 

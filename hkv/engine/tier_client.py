@@ -69,6 +69,7 @@ class TierClient:
         self._ids = itertools.count(1)
         self._next_plan: list[Callable[[bool], None]] = []  # run once the next plan's ops ran
         self._by_step: dict[int, list[Callable[[bool], None]]] = {}
+        self._poisoned: set[int] = set()  # offloads whose reservation, when it comes, commits ok=False
 
     def keys(self, known: list[bytes], token_ids: list[int], pages: int) -> list[bytes]:
         """Chained keys of pages [0, pages), extending the cached list `known` in place."""
@@ -150,6 +151,12 @@ class TierClient:
         hold = self.offloads.pop(msg.offload_id, None)
         if hold is None:
             return []
+        if msg.offload_id in self._poisoned:
+            self._poisoned.discard(msg.offload_id)
+            self.coord.unhold(hold)
+            if msg.state_entry is not None or any(e is not None for e in msg.entries):
+                self.outbox.append(TierCommit(msg.offload_id, False))
+            return []
         pairs = [(page, entry) for page, entry in zip(hold.pages, msg.entries) if entry is not None]
         ops: list[CacheOp] = []
         ckpt = hold.checkpoint
@@ -171,6 +178,14 @@ class TierClient:
 
         self._next_plan.append(done)
         return ops
+
+    def poison(self) -> None:
+        """A step failed after prefixes were published ahead of its result: no copy out started so
+        far may commit (its pages may hold that step's garbage). Each commits ok=False when its
+        plan is done, or at once when its reservation comes back."""
+        self._poisoned.update(self.offloads)
+        for actions in (self._next_plan, *self._by_step.values()):
+            actions[:] = [lambda ok, act=act: act(False) for act in actions]
 
     def has_pending(self) -> bool:
         """Actions wait for a plan to carry their ops."""

@@ -89,6 +89,12 @@ class DgramReceiver(Inbox[T]):
             self._spin(self.spin_s)
         return await self._take(self._queue.get())
 
+    def poll(self) -> T | None:
+        """The next message if one is queued or waiting on the socket, else None (never waits)."""
+        if self._queue.empty():
+            self._read_one()
+        return self.get_nowait()
+
     def _spin(self, seconds: float) -> None:
         deadline = time.perf_counter() + seconds
         while self._queue.empty() and time.perf_counter() < deadline and not self._read_one():

@@ -219,6 +219,9 @@ class Chunk(msgspec.Struct, frozen=True, array_like=True):
     # in-chunk checkpoints, [tokens, state_slot] pairs: write the linear state after the first `tokens`
     # tokens of this chunk (0 < tokens < len(token_ids), a multiple of the GDN chunk, 64) into state_slot
     checkpoints: list[list[int]] = []
+    # token_ids is [the token this slot's previous chunk samples]: that plan was sent before its
+    # result was in (the router plans one step ahead), so the rank feeds that token in itself
+    follows: bool = False
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
