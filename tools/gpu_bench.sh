@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call for the served numbers of issues 11, 12 and 13 on the benchmark model
 # (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
-#   run: bash tools/gpu_bench.sh [parts, default decode,i11,i12,i13]
+#   run: bash tools/gpu_bench.sh [parts, default launch,i11,i12,i13,decode]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
 OUT=${OUT:-.out}
 mkdir -p "$OUT"
-parts=${1:-decode,i11,i12,i13}
+parts=${1:-launch,i11,i12,i13,decode}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -59,9 +59,10 @@ EOF
 }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
-if wants decode; then
-  say "in-process decode step"
-  timeout 200 python3 -m tools.bench_decode --profile --json "$OUT/decode.json" 2>&1 | grep -v Warning | tee -a "$LOG"
+if wants launch; then
+  say "CUDA launch test: graphs, planning ahead, fp32 parity and bf16 logprobs against transformers"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=230 tests/e2e/test_cuda_launch.py \
+    2>&1 | tail -6 | tee -a "$LOG"
 fi
 [[ -d $MODEL ]] || timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 if wants i11 || wants i12; then
@@ -114,6 +115,10 @@ if wants i13; then
     stop
   }
   merge i13
+fi
+if wants decode; then
+  say "in-process decode step"
+  timeout 200 python3 -m tools.bench_decode --profile --json "$OUT/decode.json" 2>&1 | grep -v Warning | tee -a "$LOG"
 fi
 stop
 exit 0
