@@ -207,7 +207,8 @@ class CacheWorker:
             "evicted_states": cc.evicted_states, "rolled_back": cc.rolled_back,
             "lookups": c.lookups, "hit_pages": c.hit_pages_cpu,
         }
-        doc = {"cpu": cpu, "disk": None, "malformed": c.malformed}
+        # cache_in's drops: frames that did not decode and messages that broke the contract
+        doc = {"cpu": cpu, "disk": None, "malformed": c.malformed + self.inbox.malformed}
         if self.disk is not None:
             doc["disk"] = {**self.disk.stats(), "dir": str(self.disk.directory), "hit_pages": c.hit_pages_disk,
                            "read_failed": c.disk_read_failed, "write_queue": self.writes.qsize(),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import msgspec
+
 from hkv.config import HkvConfig
 from hkv.engine.model_runner import ModelRunner
 from hkv.ipc import request_table
@@ -108,7 +110,7 @@ async def _step_loop(ctx: ActorContext, inbox, outbox, runner: ModelRunner) -> N
         if result.error:
             log.error("step %d failed: %s", msg.step, result.error)
         if ctx.rank == 0:
-            await outbox.send(result)
+            await outbox.send(msgspec.structs.replace(result, malformed=inbox.malformed) if inbox.malformed else result)
 
 
 def main() -> None:

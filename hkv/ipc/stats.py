@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 REGION = "router_stats"
-VERSION = 2
+VERSION = 3
 
 FIELDS = (
     "steps",  # steps run
@@ -41,6 +41,10 @@ FIELDS = (
     "tier_offloads_skipped",  # counter: published prefixes not copied out (too many in flight)
     "flushes",  # counter: /cache/flush calls
     "page_size",  # constant: tokens per KV page
+    "malformed_router_in",  # counter: router_in messages dropped (undecodable, or invalid fields)
+    "malformed_router_results",  # counter: rank results dropped (undecodable, or not answering the plan)
+    "malformed_rank_in",  # counter: plans rank 0 dropped (undecodable), as its results report
+    "failed_steps",  # counter: steps whose result carried an error
 )
 NBYTES = len(FIELDS) * 8
 
