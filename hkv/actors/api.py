@@ -402,7 +402,9 @@ async def _start_http(cfg: HkvConfig, api: Api, stack: contextlib.AsyncExitStack
                            keepalive_timeout=timeout, lingering_time=min(LINGER_S, timeout))
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
-    await BoundedSite(runner, cfg.server.host, cfg.server.port, cfg.server.max_connections).start()
+    site = BoundedSite(runner, cfg.server.host, cfg.server.port, cfg.server.max_connections,
+                       api.metrics.refused_connections.inc)
+    await site.start()
     return _site_url(runner)
 
 

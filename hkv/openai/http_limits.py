@@ -13,6 +13,7 @@ bounded by aiohttp's own timer plus the api's body timeout:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -34,17 +35,17 @@ class _Refused(asyncio.Protocol):
 
 
 class BoundedSite(web.BaseSite):
-    """A TCP site serving at most `limit` connections at once."""
+    """A TCP site serving at most `limit` connections at once; `on_refused` is called for each one past it."""
 
-    __slots__ = ("_host", "_port", "_limit", "_fresh", "refused")
+    __slots__ = ("_host", "_port", "_limit", "_fresh", "_on_refused")
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, limit: int):
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, limit: int, on_refused: Callable[[], None]):
         super().__init__(runner)
         self._host = host
         self._port = port
         self._limit = limit
         self._fresh = 0  # handlers made this loop turn: aiohttp counts them once their connection_made runs
-        self.refused = 0
+        self._on_refused = on_refused
 
     @property
     def name(self) -> str:
@@ -59,7 +60,7 @@ class BoundedSite(web.BaseSite):
     def _protocol(self) -> asyncio.BaseProtocol:
         server = self._runner.server
         if len(server.connections) + self._fresh >= self._limit:
-            self.refused += 1
+            self._on_refused()
             return _Refused()
         if not self._fresh:
             # runs after this turn's accepts, before their connection_made callbacks add them to the count

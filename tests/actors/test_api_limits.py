@@ -132,6 +132,8 @@ async def test_connections_past_the_limit_get_503():
         await asyncio.sleep(0.1)
         status, _ = await api.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert status == 200
+        async with api.http.get(api.url + "/metrics") as resp:
+            assert f"hkv_http_connections_refused_total {float(len(refused))}" in await resp.text()
 
 
 async def test_ready_is_503_while_the_engine_makes_no_progress():
