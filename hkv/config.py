@@ -11,15 +11,18 @@ only module that reads environment variables.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import math
 import os
+import secrets
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
+from hkv.ipc.rundir import create_run_dir
 from hkv_kernels.gdn import GDN_CHUNK
 
 BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense")
@@ -128,6 +131,31 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class KeyHash:
+    """A bearer key kept as a salted SHA-256 digest.
+
+    The api only compares keys, so the config (written to the run directory as
+    config.json) carries this and never the key itself.
+    """
+
+    salt: str  # hex of 16 random bytes
+    digest: str  # hex of sha256(salt || key)
+
+    @classmethod
+    def of(cls, key: str) -> "KeyHash":
+        salt = secrets.token_bytes(16)
+        return cls(salt.hex(), _key_digest(salt, key).hex())
+
+    def matches(self, token: str) -> bool:
+        """Constant-time comparison of `token`'s digest with the key's."""
+        return hmac.compare_digest(_key_digest(bytes.fromhex(self.salt), token), bytes.fromhex(self.digest))
+
+
+def _key_digest(salt: bytes, key: str) -> bytes:
+    return hashlib.sha256(salt + key.encode("utf-8", "surrogateescape")).digest()
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str
     port: int
@@ -136,10 +164,15 @@ class ServerConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     secret_file: str | None
-    api_key: str | None
+    api_key: KeyHash | None  # /v1/* and, without admin_key, admin routes
     log_level: str
     max_body_bytes: int
     drain_timeout_s: float
+    request_timeout_s: float = 30.0  # a request's head and body must arrive within this (408 after)
+    max_connections: int = 1024  # open HTTP connections; later ones get 503 and are closed
+    stall_timeout_s: float = 10.0  # /ready is 503 when work is pending and no step finished for this long
+    admin_key: KeyHash | None = None  # POST /cache/flush and later admin routes; None: the api key
+    metrics_key: KeyHash | None = None  # GET /metrics; None: open
 
 
 @dataclass(frozen=True)
@@ -194,6 +227,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -284,8 +324,15 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     g.add_argument("--name", default=None,
                    help="instance name; shared memory is /hkv-<name>-<region> (default: hkv<port>)")
-    g.add_argument("--request-timeout", type=_non_negative_float, default=None,
-                   help=f"seconds to read a request body (default: 30). {PENDING}")
+    g.add_argument("--request-timeout", type=_positive_float, default=30.0,
+                   help="seconds a client has to send a request's head and body; a slower one gets 408 and its "
+                        "connection is closed; also the idle time after which a keep-alive connection is closed "
+                        "(default: 30)")
+    g.add_argument("--max-connections", type=_positive_int, default=1024,
+                   help="open HTTP connections at most; one past it gets 503 and is closed (default: 1024)")
+    g.add_argument("--stall-timeout", type=_positive_float, default=10.0,
+                   help="seconds without a finished step, while work is pending, after which /ready answers 503 "
+                        "(default: 10)")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level of every actor; debug also checks the cache books after every step (default: info)")
 
@@ -303,10 +350,15 @@ def _pd_flags(p: argparse.ArgumentParser) -> None:
 def _security_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security")
     g.add_argument("--api-key", default=None,
-                   help="bearer key every request must carry (default: $HKV_API_KEY, else none)")
-    g.add_argument("--api-key-file", default=None, help=f"read the api key from this file (default: none). {PENDING}")
+                   help="bearer key /v1/* requests must carry; visible in ps, prefer --api-key-file "
+                        "(default: $HKV_API_KEY, else none)")
+    g.add_argument("--api-key-file", default=None,
+                   help="read the api key from this file, one line (default: none)")
     g.add_argument("--admin-key", default=None,
-                   help=f"bearer key for POST /cache/flush (default: the api key). {PENDING}")
+                   help="bearer key of POST /cache/flush and other admin routes (default: $HKV_ADMIN_KEY, "
+                        "else the api key)")
+    g.add_argument("--metrics-key", default=None,
+                   help="bearer key of GET /metrics (default: $HKV_METRICS_KEY, else /metrics is open)")
     g.add_argument("--secret-file", default=None,
                    help=f"file holding the HMAC secret of cross-host control messages (default: none). {PENDING}")
 
@@ -325,12 +377,9 @@ def _not_built_yet(args: argparse.Namespace) -> list[str]:
         "--tp": args.tp != 1,
         "--spec-tokens": args.spec_tokens > 0,
         "--draft-window": args.draft_window is not None,
-        "--request-timeout": args.request_timeout is not None,
         "--mode": args.mode != "normal",
         "--prefill-url": bool(args.prefill_url),
         "--decode-url": bool(args.decode_url),
-        "--api-key-file": args.api_key_file is not None,
-        "--admin-key": args.admin_key is not None,
         "--secret-file": args.secret_file is not None,
     }
     return [flag for flag, set_ in given.items() if set_]
@@ -497,6 +546,30 @@ def _cache_config(args: argparse.Namespace, spec: ModelSpec, max_running: int, o
     )
 
 
+def _key(flag: str, value: str | None, env: str) -> KeyHash | None:
+    """A bearer key from its flag or environment variable, hashed; ConfigError if it cannot travel in a header."""
+    key = value if value is not None else os.environ.get(env) or None
+    if key is None:
+        return None
+    if not key or not key.isascii() or not key.isprintable() or " " in key:
+        raise ConfigError(f"{flag} must be printable ASCII without spaces")
+    return KeyHash.of(key)
+
+
+def _api_key(args: argparse.Namespace) -> KeyHash | None:
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if args.api_key_file is None:
+        return _key("--api-key", args.api_key, "HKV_API_KEY")
+    try:
+        lines = Path(args.api_key_file).read_text(encoding="utf-8").strip().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--api-key-file {args.api_key_file}: {exc}") from None
+    if len(lines) != 1:
+        raise ConfigError(f"--api-key-file {args.api_key_file}: want the key on one line")
+    return _key("--api-key-file", lines[0].strip(), "HKV_API_KEY")
+
+
 def _server_config(args: argparse.Namespace, name: str) -> ServerConfig:
     return ServerConfig(
         host=args.host,
@@ -506,10 +579,15 @@ def _server_config(args: argparse.Namespace, name: str) -> ServerConfig:
         prefill_urls=tuple(args.prefill_url),
         decode_urls=tuple(args.decode_url),
         secret_file=args.secret_file,
-        api_key=args.api_key or os.environ.get("HKV_API_KEY") or None,
+        api_key=_api_key(args),
         log_level=args.log_level,
         max_body_bytes=8 * 1024 * 1024,
         drain_timeout_s=60.0,
+        request_timeout_s=args.request_timeout,
+        max_connections=args.max_connections,
+        stall_timeout_s=args.stall_timeout,
+        admin_key=_key("--admin-key", args.admin_key, "HKV_ADMIN_KEY"),
+        metrics_key=_key("--metrics-key", args.metrics_key, "HKV_METRICS_KEY"),
     )
 
 
@@ -530,7 +608,8 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     on_cpu = device == "cpu"
     max_running = args.max_running_requests or (32 if on_cpu else 256)
     cache = _cache_config(args, spec, max_running, on_cpu, dtype)
-    run_dir = tempfile.mkdtemp(prefix=f"hkv-{name}-")  # mode 0700
+    server = _server_config(args, name)
+    run_dir = create_run_dir(name)  # mode 0700, marked with this process as its creator
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec,
                           cuda_graph_max_bs=_graph_max_bs(args, max_running, on_cpu)),
@@ -541,7 +620,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             max_queued_requests=4096,
         ),
         spec=SpecConfig(args.spec_tokens, args.draft_window),
-        server=_server_config(args, name),
+        server=server,
         run_dir=run_dir,
         builtin_cache_dir=cache_dir,
     )

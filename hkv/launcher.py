@@ -3,8 +3,9 @@
     parse flags (exit 2 on a bad one) -> sweep orphaned shm -> create regions
     -> start ranks, router, api -> wait until each reports ready -> supervise
 
-If any child dies, the others are stopped in order (api, router, ranks),
-shared memory is unlinked and the launcher exits 1 with a one-line reason.
+If any child dies, the others are stopped in order (api, router, ranks; the
+api with SIGUSR1: fail what is in flight, do not drain), shared memory is
+unlinked and the launcher exits 1 with a one-line reason.
 SIGTERM/SIGINT drain: the api refuses new requests and finishes in-flight
 ones, then the rest stop and the launcher exits 0. A second signal stops at
 once. Children hold the read end of a lifeline pipe: if the launcher itself
@@ -17,7 +18,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING
 
 from hkv.config import ConfigError, HkvConfig, parse_cli
 from hkv.ipc import request_table, stats, tier_regions
+from hkv.ipc.creator import Creator
 from hkv.ipc.process import setup_logging
+from hkv.ipc.rundir import remove_run_dir, sweep_run_dirs
 from hkv.ipc.shm import Registry, ShmRegion, sweep_orphans, unlink_instance
 
 if TYPE_CHECKING:
@@ -52,6 +54,7 @@ class Instance:
 
     def __init__(self, cfg: HkvConfig):
         self.cfg = cfg
+        self.me = Creator.this_process()  # the creator named in every segment and the run directory
         self.children: list[Child] = []
         self.regions: list[ShmRegion] = []
         self.lifeline_r, self.lifeline_w = os.pipe()
@@ -63,6 +66,9 @@ class Instance:
         removed = sweep_orphans()
         if removed:
             log.info("swept %d orphaned shared-memory segments", len(removed))
+        dirs = sweep_run_dirs()
+        if dirs:
+            log.info("swept %d run directories of dead launchers", len(dirs))
         registry = Registry.create(cfg.server.name, capacity=16)
         self.regions.append(registry)
         layout = request_table.TableLayout(
@@ -169,14 +175,17 @@ class Instance:
         detail = f": {child.error}" if child.error else ""
         return f"{child.name} exited with code {child.proc.returncode}{detail}"
 
-    async def stop_children(self, order: list[str]) -> None:
-        """SIGTERM each child in order, waiting for it; SIGKILL what outlives the grace time."""
+    async def stop_children(self, order: list[str], abandon: bool = False) -> None:
+        """SIGTERM each child in order, waiting for it; SIGKILL what outlives the grace time.
+
+        abandon: another actor died, so the api gets SIGUSR1 instead (fail what is in flight, no drain).
+        """
         by_name = {c.name: c for c in self.children}
         for name in order:
             child = by_name.get(name)
             if child is None or child.proc.returncode is not None:
                 continue
-            _signal(child, signal.SIGTERM)
+            _signal(child, signal.SIGUSR1 if abandon and name == "api" else signal.SIGTERM)
             try:
                 await asyncio.wait_for(child.proc.wait(), STOP_GRACE_S)
             except asyncio.TimeoutError:
@@ -187,8 +196,8 @@ class Instance:
     def cleanup(self) -> None:
         for region in self.regions:
             region.close()
-        unlink_instance(self.cfg.server.name)
-        shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+        unlink_instance(self.cfg.server.name, creator=self.me)
+        remove_run_dir(self.cfg.run_dir, self.me)
         for fd in (self.lifeline_r, self.lifeline_w):
             try:
                 os.close(fd)
@@ -244,7 +253,7 @@ async def _supervise(inst: Instance) -> int:
     if died.done():
         drain.cancel()
         reason = died.result()
-        await inst.stop_children(inst.stop_order())
+        await inst.stop_children(inst.stop_order(), abandon=True)  # streams get an error event, at once
         print(f"hkv-launch: stopped: {reason}", file=sys.stderr, flush=True)
         return 1
     died.cancel()

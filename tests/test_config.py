@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from hkv.config import ConfigError, HkvConfig, build_parser, parse_cli
+from hkv.config import ConfigError, HkvConfig, KeyHash, build_parser, parse_cli
 from tests.openai.tokenizer_fixture import tiny_dense_folder
 
 # DESIGN.md section 6: the public flag names
@@ -35,15 +35,13 @@ def test_help_groups_the_flags():
     for group in ("model:", "cache:", "tiers:", "scheduling:", "server:", "prefill/decode disaggregation:",
                   "security:"):
         assert group in text
-    pending = {"--tp", "--spec-tokens", "--draft-window", "--request-timeout", "--mode", "--prefill-url",
-               "--decode-url", "--api-key-file", "--admin-key", "--secret-file"}
+    pending = {"--tp", "--spec-tokens", "--draft-window", "--mode", "--prefill-url", "--decode-url", "--secret-file"}
     for action in _flags():
         said = "not implemented yet" in action.help.lower()
         assert said == (action.option_strings[0] in pending), action.option_strings[0]
 
 
-@pytest.mark.parametrize("argv", [["--tp", "2"], ["--spec-tokens", "1"], ["--mode", "decode"],
-                                  ["--admin-key", "k"], ["--request-timeout", "5"]])
+@pytest.mark.parametrize("argv", [["--tp", "2"], ["--spec-tokens", "1"], ["--mode", "decode"]])
 def test_flags_not_built_yet_are_refused(argv):
     with pytest.raises(ConfigError, match=f"not implemented yet: {argv[0]}"):
         parse_cli(["--device", "cpu", *argv])
@@ -146,3 +144,34 @@ def test_an_interval_off_the_gdn_chunk_is_refused(tmp_path, page, interval, alig
     with pytest.raises(ConfigError, match=f"--checkpoint-interval \\({interval}\\) must be a multiple of {align}"):
         parse_cli(["--device", "cpu", "--model", str(_qwen3_5_folder(tmp_path)), "--page-size", str(page),
                    "--checkpoint-interval", str(interval)])
+
+
+def test_keys_reach_the_config_only_as_salted_hashes(tmp_path, monkeypatch):
+    monkeypatch.setenv("HKV_METRICS_KEY", "metrics-secret")
+    key_file = tmp_path / "key"
+    key_file.write_text("file-secret\n")
+    cfg = parse_cli(["--device", "cpu", "--model", "tiny-dense", "--api-key-file", str(key_file),
+                     "--admin-key", "admin-secret", "--request-timeout", "5", "--max-connections", "10"])
+    shutil.rmtree(cfg.run_dir)
+    text = cfg.to_json()
+    for secret in ("file-secret", "admin-secret", "metrics-secret"):
+        assert secret not in text
+    server = HkvConfig.from_json(text).server
+    assert server.api_key.matches("file-secret") and not server.api_key.matches("file-secret ")
+    assert server.admin_key.matches("admin-secret") and not server.admin_key.matches("file-secret")
+    assert server.metrics_key.matches("metrics-secret")
+    assert (server.request_timeout_s, server.max_connections) == (5.0, 10)
+    assert KeyHash.of("same").salt != KeyHash.of("same").salt
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--api-key", "a", "--api-key-file", "/etc/hostname"], "not both"),
+    (["--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key"),
+    (["--api-key", "has space"], "without spaces"),
+    (["--request-timeout", "0"], None),
+])
+def test_bad_key_or_timeout_flags_exit_2(argv, fragment, capsys):
+    with pytest.raises((ConfigError, SystemExit)) as failure:
+        parse_cli(["--device", "cpu", "--model", "tiny-dense", *argv])
+    if fragment is not None:
+        assert fragment in str(failure.value)

@@ -9,17 +9,23 @@ reads its sequences' deltas from a RequestStream. Text is detokenized and
 stop strings are matched here (hkv/openai/generation.py); the router handles
 EOS and max_tokens. A client that goes away aborts its sequences at once.
 
+Big text prompts are tokenized in a separate process (hkv/openai/tokenize.py)
+after a size check, so neither the GIL nor their memory lands here. Clients
+get `server.request_timeout_s` to send a request (408 after) and at most
+`server.max_connections` connections (hkv/openai/http_limits.py).
+
 On SIGTERM (`ctx.stop`) the api drains: new requests get 503, in-flight ones
 finish within `server.drain_timeout_s`, then the server closes and `serve`
-returns.
+returns. When the engine is gone (`ctx.abandoned`: the launcher died, or told
+us another actor did) nothing in flight can finish: every stream ends with an
+error event and `[DONE]`, every waiting request gets 503, and `serve` returns
+within a few seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import hmac
 import logging
 import random
 import time
@@ -32,15 +38,15 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from hkv.config import HkvConfig
-from hkv.ipc import stats
+from hkv.config import HkvConfig, KeyHash
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import Inbound, Outbound
-from hkv.ipc.shm import ShmError, ShmRegion
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.models.tokenizer import Tokenizer, TokenizerError
 from hkv.openai.generation import ChoiceUpdate, Generation
+from hkv.openai.http_limits import BoundedSite
 from hkv.openai.metrics import ApiMetrics
+from hkv.openai.openapi import openapi_document
 from hkv.openai.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatRequest,
@@ -55,13 +61,16 @@ from hkv.openai.protocol import (
 )
 from hkv.openai.responses import DONE_FRAME, ChatFormat, CompletionFormat, error_body, error_frame
 from hkv.openai.router_link import RequestStream, RouterLink
+from hkv.openai.stats_readers import attach_engine_stats, attach_tier_stats, malformed_sources
+from hkv.openai.tokenize import PromptEncoder, TokenizeWorker, longest_token_chars
 
 log = logging.getLogger("hkv.api")
 
-AUTH_PREFIXES = ("/v1/", "/cache/")  # probes and metrics stay open for orchestrators
+ADMIN_PREFIXES = ("/cache/",)  # the admin key's routes (the api key's when there is no admin key)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-THREAD_TOKENIZE_CHARS = 32_768  # bigger prompts are tokenized off the event loop
 ABORT_GRACE_S = 5.0  # after the drain timeout: time for aborted handlers to finish
+ABANDON_GRACE_S = 1.0  # the engine is gone: time for handlers to send their error events
+LINGER_S = 2.0  # an unread body after the response: read (and drop) it this long before closing
 HTTP_ERRORS = {404: ("not found", "not_found"), 405: ("method not allowed", "method_not_allowed")}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -89,13 +98,15 @@ class Api:
     """Routes, handlers and drain state of the HTTP front."""
 
     def __init__(
-        self, cfg: HkvConfig, link: RouterLink, tokenizer: Tokenizer, limits: ModelLimits, metrics: ApiMetrics
+        self, cfg: HkvConfig, link: RouterLink, prompts: PromptEncoder, limits: ModelLimits, metrics: ApiMetrics
     ):
         self.cfg = cfg
         self.link = link
-        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.tokenizer: Tokenizer = prompts.tokenizer
         self.limits = limits
         self.metrics = metrics
+        self.openapi = msgspec.json.encode(openapi_document(cfg, limits))
         self.draining = False
         self._active = 0  # generation handlers running
         self._idle = asyncio.Event()
@@ -111,6 +122,7 @@ class Api:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/openapi.json", self.openapi_page)
         app.router.add_post("/cache/flush", self.cache_flush)
         return app
 
@@ -134,24 +146,35 @@ class Api:
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
             response = _error(500, "internal server error", "server_error")
+        if response.status == 408:
+            response.force_close()  # what the client still sends is not worth reading
         self.metrics.observe_request(endpoint, response.status)
         return response
 
+    def _required_key(self, path: str) -> KeyHash | None:
+        server = self.cfg.server
+        if path.startswith("/v1/"):
+            return server.api_key
+        if path.startswith(ADMIN_PREFIXES):
+            return server.admin_key or server.api_key
+        if path == "/metrics":
+            return server.metrics_key
+        return None  # probes and the API description stay open
+
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        key = self.cfg.server.api_key
-        if key and request.path.startswith(AUTH_PREFIXES):
+        key = self._required_key(request.path)
+        if key is not None:
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-                message = "Invalid or missing API key (send Authorization: Bearer <key>)."
+            if scheme.lower() != "bearer" or not key.matches(token.strip()):
+                message = "Invalid or missing key for this route (send Authorization: Bearer <key>)."
                 raise ProtocolError(401, message, None, "invalid_api_key")
         return await handler(request)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
         req = parse_completion(await self._read_json(request), self.limits)
-        size = sum(len(p) for p in req.prompts if isinstance(p, str))
-        prompts = await self._tokenize(lambda: self._completion_prompts(req), size)
+        prompts = await self._completion_prompts(req)
         opts = req.options
         fmt = CompletionFormat(self.limits.model_id, self.tokenizer, opts.return_token_ids, opts.include_usage)
         return await self._generate(request, arrived, opts, prompts, fmt, COMPLETION_DEFAULT_MAX_TOKENS)
@@ -159,8 +182,7 @@ class Api:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
         req = parse_chat(await self._read_json(request), self.limits)
-        size = sum(len(m.content) for m in req.messages)
-        prompts = await self._tokenize(lambda: [self._chat_prompt(req)], size)
+        prompts = await self.prompts.encode([self._chat_text(req)], add_special_tokens=False)
         opts = req.options
         fmt = ChatFormat(self.limits.model_id, self.tokenizer, opts.return_token_ids, opts.include_usage)
         return await self._generate(request, arrived, opts, prompts, fmt, None)
@@ -171,35 +193,36 @@ class Api:
         too_large = ProtocolError(413, message, None, "request_too_large")
         if request.content_length is not None and request.content_length > limit:
             raise too_large
+        timeout = self.cfg.server.request_timeout_s
         try:
-            body = await request.read()
+            async with asyncio.timeout(timeout):
+                body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large from None
+        except TimeoutError:
+            raise ProtocolError(408, f"the request body did not arrive within {timeout:g} s", None,
+                                "request_timeout") from None
         return decode_body(body)
 
-    async def _tokenize(self, work: Callable[[], list[list[int]]], chars: int) -> list[list[int]]:
-        if chars > THREAD_TOKENIZE_CHARS:
-            return await asyncio.to_thread(work)
-        return work()
+    async def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        texts = [p for p in req.prompts if isinstance(p, str)]
+        encoded = iter(await self.prompts.encode(texts, add_special_tokens=True) if texts else [])
+        return [list(p) if isinstance(p, tuple) else next(encoded) for p in req.prompts]
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        return [
-            list(p) if isinstance(p, tuple) else self.tokenizer.encode(p, add_special_tokens=True) for p in req.prompts
-        ]
-
-    def _chat_prompt(self, req: ChatRequest) -> list[int]:
+    def _chat_text(self, req: ChatRequest) -> str:
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except (jinja2.TemplateError, TokenizerError) as exc:  # raise_exception in the template, or no template
             raise ProtocolError(400, f"the chat template rejected the messages: {exc}", "messages") from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _admit(self, sequences: int) -> None:
         if self.draining:
             raise ProtocolError(503, "the server is shutting down", None, "draining")
         if not self.link.ready:
-            raise ProtocolError(503, "the engine is not ready", None, "not_ready")
+            stalled = self.link.progress.stalled()
+            message = f"the engine is not making progress ({stalled})" if stalled else "the engine is not ready"
+            raise ProtocolError(503, message, None, "not_ready")
         limit = self.cfg.scheduler.max_queued_requests
         if self.link.in_flight + sequences > limit:
             raise ProtocolError(429, f"too many requests in flight (limit {limit} sequences)", None, "overloaded")
@@ -247,7 +270,7 @@ class Api:
         while not gen.done:
             self._apply(gen, stream, await stream.next_batch())
         if gen.error is not None:
-            return _error(500, f"generation failed: {gen.error}", "server_error")
+            return _error(503, f"generation failed: {gen.error}", "server_error", None, "engine_failed")
         return web.Response(body=fmt.response(gen), content_type="application/json")
 
     async def _stream(
@@ -294,8 +317,11 @@ class Api:
     async def ready(self, request: web.Request) -> web.Response:
         ok = self.link.ready and not self.draining
         state = self.link.state
-        engine = None if state is None else msgspec.structs.asdict(state)
+        engine = None if state is None else {**msgspec.structs.asdict(state), "stalled": self.link.progress.stalled()}
         return _json({"ready": ok, "draining": self.draining, "engine": engine}, 200 if ok else 503)
+
+    async def openapi_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.openapi, content_type="application/json")
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         self.metrics.observe_engine(self.link.state)
@@ -334,47 +360,18 @@ class Api:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
 
+    async def abandon(self, reason: str) -> None:
+        """The engine is gone: end every stream with an error event, answer every waiting request 503."""
+        self.draining = True
+        if self._active:
+            log.warning("%s: failing %d requests in flight", reason, self._active)
+        self.link.fail_all(f"the engine is gone: {reason}", "error")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ABANDON_GRACE_S):
+                await self._idle.wait()
+
 
 FLUSH_TIMEOUT_S = 30.0
-
-
-def _attach_engine_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack):
-    """A reader of the router's stats block for /metrics; reads nothing when there is none."""
-    try:
-        region = ShmRegion.attach(cfg.server.name, stats.REGION, readonly=True)
-    except ShmError:
-        return lambda: None
-    view = stats.RouterStats(region.payload)
-
-    def close() -> None:
-        view.release_views()
-        region.close()
-
-    stack.callback(close)
-    return view.read
-
-
-def _attach_tier_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack):
-    """A reader of the cache worker's stats block (a json_block) for /metrics; None without tiers."""
-    if not cfg.cache.tiers:
-        return lambda: None
-    from hkv.ipc.tier_regions import TIER_STATS_REGION
-    from hkv.ipc import json_block
-
-    try:
-        region = ShmRegion.attach(cfg.server.name, TIER_STATS_REGION, readonly=True)
-    except ShmError:
-        return lambda: None
-    stack.callback(region.close)
-
-    def read() -> dict | None:
-        try:
-            doc = json_block.read(region.payload)
-        except json_block.JsonBlockBusy:
-            return None
-        return doc if isinstance(doc, dict) else None
-
-    return read
 
 
 def _site_url(runner: web.AppRunner) -> str:
@@ -382,41 +379,66 @@ def _site_url(runner: web.AppRunner) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
-    """Actor body: serve HTTP until ctx.stop, then drain and return."""
-    tokenizer = Tokenizer.from_folder(cfg.model.path)
+def _limits(cfg: HkvConfig, tokenizer: Tokenizer, kv_tokens: int | None = None) -> ModelLimits:
+    """`kv_tokens`: the device KV capacity the router reported (the ranks size the pool on CUDA);
+    None before then, or on CPU, where --max-total-tokens (or the context) is the capacity."""
     spec = cfg.model.spec
-    # the KV capacity is the router's to report when the ranks size the pool (CUDA)
-    limits = ModelLimits.of(cfg.model.model, cfg.model.path, spec.vocab_size, spec.max_context,
-                            cfg.cache.max_total_tokens or spec.max_context)
+    capacity = kv_tokens or cfg.cache.max_total_tokens or spec.max_context
+    return ModelLimits.of(cfg.model.model, cfg.model.path, spec.vocab_size, spec.max_context,
+                          capacity, longest_token_chars(tokenizer))
+
+
+async def _open_link(cfg: HkvConfig, zctx: zmq.asyncio.Context, stack: contextlib.AsyncExitStack) -> RouterLink:
+    receiver: Receiver[Outbound] = Receiver(zctx, cfg.ipc_address("api_in"), Outbound, "api_in")
+    sender: Sender[Inbound] = Sender(zctx, cfg.ipc_address("router_in"), "router_in")
+    outbox_bound = 2 * cfg.scheduler.max_queued_requests + 64
+    return await stack.enter_async_context(RouterLink(receiver, sender, outbox_bound, cfg.server.stall_timeout_s))
+
+
+async def _start_http(cfg: HkvConfig, api: Api, stack: contextlib.AsyncExitStack) -> str:
+    """Listen on the configured address; returns the URL. The runner is cleaned up with `stack`."""
+    timeout = cfg.server.request_timeout_s
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts its sequences;
+    # keepalive_timeout: a connection must bring a complete request head this soon after opening
+    # (or after its last response), else aiohttp closes it
+    runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                           keepalive_timeout=timeout, lingering_time=min(LINGER_S, timeout))
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    site = BoundedSite(runner, cfg.server.host, cfg.server.port, cfg.server.max_connections,
+                       api.metrics.refused_connections.inc)
+    await site.start()
+    return _site_url(runner)
+
+
+async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
+    """Actor body: serve HTTP until ctx.stop, then drain (or, the engine gone, fail what is in flight) and return."""
+    tokenizer = Tokenizer.from_folder(cfg.model.path)
+    limits = _limits(cfg, tokenizer)
     zctx = zmq.asyncio.Context()
     try:
         async with contextlib.AsyncExitStack() as stack:
-            receiver: Receiver[Outbound] = Receiver(zctx, cfg.ipc_address("api_in"), Outbound, "api_in")
-            sender: Sender[Inbound] = Sender(zctx, cfg.ipc_address("router_in"), "router_in")
-            outbox_bound = 2 * cfg.scheduler.max_queued_requests + 64
-            link = await stack.enter_async_context(RouterLink(receiver, sender, outbox_bound))
-            engine_stats = _attach_engine_stats(cfg, stack)
-            metrics = ApiMetrics(
-                {"api_in": lambda: receiver.malformed, "router_deltas": lambda: link.malformed}, engine_stats,
-                _attach_tier_stats(cfg, stack),
-            )
-            api = Api(cfg, link, tokenizer, limits, metrics)
-            # handler_cancellation: a client that hangs up cancels its handler, which aborts its sequences
-            runner = web.AppRunner(api.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
-            await runner.setup()
-            stack.push_async_callback(runner.cleanup)
-            await web.TCPSite(runner, cfg.server.host, cfg.server.port).start()
-            url = _site_url(runner)
+            worker = TokenizeWorker(cfg.model.path)
+            stack.push_async_callback(worker.aclose)
+            await worker.start()
+            link = await _open_link(cfg, zctx, stack)
+            engine_stats, tier_stats = attach_engine_stats(cfg, stack), attach_tier_stats(cfg, stack)
+            metrics = ApiMetrics(malformed_sources(link, engine_stats, tier_stats), engine_stats, tier_stats)
+            prompts = PromptEncoder(tokenizer, worker, limits)
+            api = Api(cfg, link, prompts, limits, metrics)
+            url = await _start_http(cfg, api, stack)
             # Report ready only once the router can admit, so the launcher's ready line means /ready is 200.
             await run_until_stopped(link.first_ready.wait(), ctx.stop)
             if link.state is not None and link.state.kv_tokens is not None:
-                api.limits = dataclasses.replace(limits, kv_capacity=link.state.kv_tokens)
+                api.limits = prompts.limits = _limits(cfg, tokenizer, link.state.kv_tokens)
             if link.ready:
                 log.info("serving %s on %s", limits.model_id, url)
                 ctx.ready(url=url)
             await ctx.stop.wait()
-            await api.drain(cfg.server.drain_timeout_s)
+            if ctx.abandoned is not None:
+                await api.abandon(ctx.abandoned)
+            else:
+                await api.drain(cfg.server.drain_timeout_s)
     finally:
         zctx.destroy(linger=0)
 

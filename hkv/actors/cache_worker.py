@@ -217,7 +217,8 @@ class CacheWorker:
             "moved_pages": cc.moved_pages, "rolled_back": cc.rolled_back,
             "lookups": c.lookups, "hit_pages": c.hit_pages_cpu,
         }  # fmt: skip
-        doc = {"cpu": cpu, "disk": None, "malformed": c.malformed}
+        # cache_in's drops: frames that did not decode and messages that broke the contract
+        doc = {"cpu": cpu, "disk": None, "malformed": c.malformed + self.inbox.malformed}
         if self.disk is not None:
             files, reachable_files = self.disk.coverage()
             doc["disk"] = {**self.disk.stats(), "dir": str(self.disk.directory), "hit_pages": c.hit_pages_disk,

@@ -12,6 +12,8 @@ import asyncio
 import logging
 import time
 
+import msgspec
+
 from hkv.config import HkvConfig
 from hkv.engine import sizing
 from hkv.engine.model_runner import ModelRunner
@@ -130,18 +132,18 @@ async def _step_loop(ctx: ActorContext, inbox, outbox, runner: ModelRunner) -> N
         msg = await inbox.get() if running is None else _next_or_done(inbox, running)
         if msg is None or isinstance(msg, Shutdown):
             if running is not None:
-                await _answer(ctx, outbox, runner, running)
+                await _answer(ctx, inbox, outbox, runner, running)
                 running = None
             if msg is None:
                 continue
             return
         # 2. launch it behind the running one, 3. answer the running one (rank 0 for the group)
         if not behind:
-            await _answer(ctx, outbox, runner, runner.launch(msg))
+            await _answer(ctx, inbox, outbox, runner, runner.launch(msg))
             continue
         launched = runner.launch(msg)
         if running is not None:
-            await _answer(ctx, outbox, runner, running)
+            await _answer(ctx, inbox, outbox, runner, running)
         running = launched
 
 
@@ -154,12 +156,13 @@ def _next_or_done(inbox, running) -> object | None:
         time.sleep(POLL_S)
 
 
-async def _answer(ctx: ActorContext, outbox, runner: ModelRunner, launched) -> None:
+async def _answer(ctx: ActorContext, inbox, outbox, runner: ModelRunner, launched) -> None:
     result = runner.finish(launched)
     if result.error:
         log.error("step %d failed: %s", result.step, result.error)
     if ctx.rank == 0:
-        await outbox.send(result)
+        malformed = inbox.malformed
+        await outbox.send(msgspec.structs.replace(result, malformed=malformed) if malformed else result)
 
 
 def main() -> None:

@@ -8,11 +8,18 @@
 The router plans one step ahead: step n+1 is planned and sent while the ranks
 run step n (the scheduler publishes what n computes before planning past it,
 and the rank feeds in the tokens n samples). One StepPlan goes out and one
-StepResult comes back per step; one TokenBatch per step goes to the api.
+StepResult comes back per step; one TokenBatch per step goes to the api. Every
+message is checked before use (hkv/engine/validate.py): a bad one is dropped
+and counted, and the router keeps running. An owned heartbeat task sends the
+api an EngineState when it changes and at least every ENGINE_HEARTBEAT_S,
+also while a step is in flight, so the api can tell a stalled engine; after
+DEAD_AFTER_FAILED_STEPS failed steps in a row the engine reports itself dead.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -24,10 +31,12 @@ from hkv.cache.coordinator import CacheCoordinator
 from hkv.cache.types import CacheSpec
 from hkv.engine.scheduler import Scheduler, SchedulerLimits
 from hkv.engine.tier_client import TierClient
+from hkv.engine.validate import InboxCheck, RouterLimits
 from hkv.ipc import json_block, request_table, stats
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.dgram import DgramReceiver, DgramSender
 from hkv.ipc.messages import (
+    ENGINE_HEARTBEAT_S,
     AbortRequest,
     CacheFlushed,
     EngineState,
@@ -47,6 +56,7 @@ from hkv.ipc.messages import (
     TierInbound,
     TierReserved,
     TokenBatch,
+    TokenDelta,
 )
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.ipc.shm import ShmRegion
@@ -56,6 +66,7 @@ RADIX_EVERY_S = 0.5
 STEP_EMA_WEIGHT = 0.2
 RADIX_LIST_MAX = 2048  # checkpoint nodes listed; ~60 bytes each fits RADIX_BYTES
 MAX_AHEAD = 2  # plans out at once: the one the ranks run and the next, planned while it runs
+DEAD_AFTER_FAILED_STEPS = 5  # failed steps in a row after which the engine reports itself dead
 
 
 class Router:
@@ -77,7 +88,14 @@ class Router:
         self.coord: CacheCoordinator | None = None
         self.tiers: TierClient | None = None
         self.scheduler: Scheduler | None = None
+        self.check: InboxCheck | None = None  # needs the KV capacity too
         self.kv_pages: int | None = None
+        self.steps_done = 0  # results applied, failed or not: the api's measure of progress
+        self.failed_in_a_row = 0
+        self.alive = True  # False once DEAD_AFTER_FAILED_STEPS steps failed in a row
+        self._refused: list[TokenDelta] = []  # answers to GenerateRequests that failed the check
+        self._state_changed = asyncio.Event()  # wakes the heartbeat to publish at once
+        self._published: tuple | None = None  # the EngineState figures the heartbeat last sent
         self.stats = router_stats
         self.debug = cfg.server.log_level == "debug"  # check the books after every step
         self._pending_flushes: list[int] = []
@@ -128,6 +146,9 @@ class Router:
             layout, root = self.tier_layout
             self.tiers = TierClient(self.coord, root, c.page_size, c.hybrid, layout.num_pages, layout.num_states)
         self.scheduler = Scheduler(limits, self.coord, self.table, self.tiers)
+        self.check = InboxCheck(RouterLimits(cfg.model.spec.vocab_size, cfg.model.max_context,
+                                             self.table.layout.max_pages * c.page_size, kv_pages * c.page_size,
+                                             cfg.scheduler.max_queued_requests))
         self.kv_pages = kv_pages
 
     async def run(self) -> None:
@@ -139,8 +160,7 @@ class Router:
             3. apply the oldest plan's result and stream its tokens
         """
         self.record_pools()
-        await self.to_api.send(EngineState(ready=True, alive=True, waiting=0, running=0,
-                                           kv_tokens=self.kv_pages * self.cfg.cache.page_size))
+        self._state_changed.set()  # the heartbeat's first report tells the api we admit
         sent: deque[StepPlan] = deque()  # plans out, oldest first
         stuck = False  # nothing could run: only a new request or an abort can change that
         last_result = time.perf_counter()
@@ -150,6 +170,7 @@ class Router:
             if idle:
                 self.record_radix(force=True)
             await self.drain_inbox(block=idle)
+            self.note_state()
             await self.answer_flushes()
             if idle:
                 last_result = time.perf_counter()  # a step's wall time counts from leaving idle
@@ -168,9 +189,10 @@ class Router:
                 continue
             # 3. the oldest plan's result (which may free what a plan that could not be made needs)
             plan = sent.popleft()
-            result = await self.wait_result(plan)
+            result = self.count_result(await self.wait_result(plan), plan)
             deltas = self.scheduler.on_result(result, plan)
             stuck = False
+            self.note_state()
             await self.send_tier()
             now = time.perf_counter()
             await self.publish(deltas)
@@ -186,7 +208,7 @@ class Router:
 
     def apply(self, msg: RouterInbound) -> None:
         if isinstance(msg, GenerateRequest):
-            self.scheduler.add(msg)
+            self.admit(msg)
         elif isinstance(msg, AbortRequest):
             self.scheduler.abort(msg.req_id)
         elif isinstance(msg, FlushCache):
@@ -199,6 +221,65 @@ class Router:
             self.scheduler.on_tier_reserved(msg)
         elif isinstance(msg, TierFlushed):
             self._tier_flushed(msg)
+
+    def admit(self, msg: GenerateRequest) -> None:
+        """Queue a checked request; answer one that fails the check (or arrives at a dead engine) with an error."""
+        reason = self.check.generate(msg)
+        if reason is None and self.alive:
+            self.scheduler.add(msg)
+            return
+        # a request refused for its id gets no answer: that id may belong to a live one
+        answer = reason is None or self.check.usable_id(msg)
+        reason = reason or "the engine is dead (its steps keep failing)"
+        log.warning("refusing request %d: %s", msg.req_id, reason)
+        if answer:
+            self._refused.append(TokenDelta(msg.req_id, [], None, None, "error", len(msg.prompt_ids), 0, None,
+                                            f"refused by the router: {reason}"))
+
+    def count_result(self, result: StepResult, plan: StepPlan) -> StepResult:
+        """Count the step; a result that does not answer the plan fails the step instead of being used."""
+        self.steps_done += 1
+        self.stats.set("malformed_rank_in", result.malformed)
+        reason = self.check.result(result, plan)
+        if reason is not None:
+            log.error("step %d: dropping the rank's result: %s", plan.step, reason)
+            result = StepResult(plan.step, [], result.forward_s, f"malformed result from the rank: {reason}")
+        if result.error is None:
+            self.failed_in_a_row = 0
+            return result
+        self.failed_in_a_row += 1
+        self.stats.add("failed_steps", 1)
+        if self.alive and self.failed_in_a_row >= DEAD_AFTER_FAILED_STEPS:
+            log.error("%d steps failed in a row (last: %s): the engine is dead", self.failed_in_a_row, result.error)
+            self.alive = False
+        return result
+
+    def engine_state(self) -> EngineState:
+        sched = self.scheduler
+        return EngineState(ready=self.alive, alive=self.alive, waiting=len(sched.waiting), running=len(sched.running),
+                           kv_tokens=self.kv_pages * self.cfg.cache.page_size, steps=self.steps_done,
+                           failed_steps=self.failed_in_a_row)
+
+    def note_state(self) -> None:
+        """Wake the heartbeat when a figure the api shows has changed (not on every step)."""
+        sched = self.scheduler
+        if (self.alive, len(sched.waiting), len(sched.running)) != self._published:
+            self._state_changed.set()
+
+    async def heartbeat(self) -> None:
+        """Send the api the engine's state on change and at least every ENGINE_HEARTBEAT_S (an owned task)."""
+        while True:
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that meets the event
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ENGINE_HEARTBEAT_S):
+                    await self._state_changed.wait()
+            self._state_changed.clear()
+            state = self.engine_state()
+            self._published = (state.alive, state.waiting, state.running)
+            self.stats.set_many({"malformed_router_in": self.inbox.malformed + self.check.dropped_router_in
+                                 + (self.tiers.malformed if self.tiers is not None else 0),
+                                 "malformed_router_results": self.results.malformed + self.check.dropped_results})
+            await self.to_api.send(state)
 
     async def send_tier(self) -> None:
         """Send what the tier client queued (lookups, reservations, commits, releases)."""
@@ -239,6 +320,7 @@ class Router:
             if isinstance(msg, StepResult) and msg.step == plan.step:
                 self._step_ema += STEP_EMA_WEIGHT * (time.perf_counter() - sent - self._step_ema)
                 return msg
+            self.check.dropped_results += 1
             log.warning("ignoring an unexpected rank message: %r", msg)
 
     def record_step(self, plan: StepPlan, result: StepResult, wall_s: float) -> None:
@@ -297,8 +379,11 @@ class Router:
         self.stats.set_many(gauges)
 
     async def publish(self, deltas) -> None:
+        if self._refused:
+            deltas, self._refused = [*deltas, *self._refused], []
         for delta in deltas:
             if delta.finish_reason is not None:
+                self.check.finished(delta.req_id)
                 tiers = delta.cache_tiers or {}
                 self.stats.add_many({
                     "requests_cached_tokens": delta.cached_tokens,
@@ -335,7 +420,7 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     try:
         if await run_until_stopped(router.wait_for_ranks(cfg.model.tp), ctx.stop):
             ctx.ready()
-            await run_until_stopped(router.run(), ctx.stop)
+            await run_until_stopped(_steps_and_heartbeat(router), ctx.stop)
     finally:
         await router.aclose()
         zctx.term()
@@ -345,6 +430,12 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         region.close()
         stats_region.close()
         radix_region.close()
+
+
+async def _steps_and_heartbeat(router: Router) -> None:
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(router.heartbeat(), name="router:heartbeat")
+        await router.run()
 
 
 def main() -> None:

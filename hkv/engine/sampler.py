@@ -3,6 +3,9 @@
 Greedy rows take the argmax. Random rows draw from a generator seeded by
 (request seed, position of the sampled token), so a request's tokens do not
 depend on what else shares its batch, nor on preemption and recompute.
+Every valid parameter gives a distribution to draw from: a temperature below
+GREEDY_BELOW is greedy (dividing by it overflows), and top-p always keeps the
+most likely token (a top_p below float32's resolution would keep none).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from hkv.ipc.messages import SamplingParams, TopLogprob
 
 _MIX = 0x9E3779B97F4A7C15  # splits (seed, position) into well-spread generator seeds
+GREEDY_BELOW = 1e-5  # temperatures this small are a point mass on the argmax anyway
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleOutput]:
     """Pick one token per row of `logits` ([S, vocab], fp32)."""
     tokens = logits.argmax(dim=-1).tolist()  # [S]; greedy rows keep these
     for i, row in enumerate(rows):
-        if row.sampling.temperature > 0:
+        if row.sampling.temperature >= GREEDY_BELOW:
             tokens[i] = _draw(logits[i], row)
     return [_with_logprobs(logits[i], tokens[i], row.sampling) for i, row in enumerate(rows)]
 
@@ -95,7 +99,9 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p."""
     sorted_probs, order = torch.sort(probs, descending=True)  # [V]
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    drop = mass_before >= top_p
+    drop[0] = False  # the most likely token stays, however small top_p is
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
 
 

@@ -66,6 +66,7 @@ class TierClient:
         self.waiting_lookups: dict[int, int | None] = {}  # lookup id -> req id (None: it left), until TierFound
         self.offloads: dict[int, Hold] = {}  # offload id -> the hold on its pages, until TierReserved
         self.skipped_offloads = 0  # publishes not copied out (too many in flight)
+        self.malformed = 0  # answers naming an unknown id or an index out of range (dropped)
         self._ids = itertools.count(1)
         self._next_plan: list[Callable[[bool], None]] = []  # run once the next plan's ops ran
         self._by_step: dict[int, list[Callable[[bool], None]]] = {}
@@ -96,6 +97,7 @@ class TierClient:
     def found(self, msg: TierFound) -> tuple[int, TierHit | None] | None:
         """(req id, hit or None when empty) for a lookup still wanted; None for an unknown id."""
         if msg.lookup_id not in self.waiting_lookups:
+            self.malformed += 1
             return None
         req_id = self.waiting_lookups.pop(msg.lookup_id)
         if req_id is None:  # the request left meanwhile
@@ -103,7 +105,8 @@ class TierClient:
                 self.release(msg.lookup_id)
             return None
         if not msg.entries or not self._valid_found(msg):
-            if msg.entries:
+            if msg.entries:  # entries that fail the check: drop them, release the worker's pins
+                self.malformed += 1
                 self.release(msg.lookup_id)
             return req_id, None
         hit = TierHit(msg.lookup_id, msg.first, tuple(msg.entries), tuple(msg.from_disk), msg.state_entry)
@@ -150,6 +153,7 @@ class TierClient:
         """The copy ops for a reservation (for the next plan); the commit and unhold follow that plan."""
         hold = self.offloads.pop(msg.offload_id, None)
         if hold is None:
+            self.malformed += 1
             return []
         if msg.offload_id in self._poisoned:
             self._poisoned.discard(msg.offload_id)
@@ -162,6 +166,7 @@ class TierClient:
         ckpt = hold.checkpoint
         valid = (len(msg.entries) == len(hold.pages) and all(0 <= e < self.num_entries for _, e in pairs)
                  and (msg.state_entry is None or (ckpt is not None and 0 <= msg.state_entry < self.num_states)))
+        self.malformed += not valid
         if valid and pairs:
             ops.append(StorePages([p for p, _ in pairs], [e for _, e in pairs]))
         if valid and msg.state_entry is not None:

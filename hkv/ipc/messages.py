@@ -83,14 +83,19 @@ class TokenBatch(msgspec.Struct, frozen=True, tag="tokens"):
     deltas: list[TokenDelta]
 
 
+ENGINE_HEARTBEAT_S = 1.0  # the router sends EngineState when it changes and at least this often
+
+
 class EngineState(msgspec.Struct, frozen=True, tag="state"):
-    """Router health for /ready and /health."""
+    """Router health for /ready and /health, and the engine gauges of /metrics."""
 
     ready: bool  # can admit new work
-    alive: bool  # False once the engine has failed for good
+    alive: bool  # False once the engine has failed for good (every step failing)
     waiting: int  # requests queued at the router
     running: int  # requests holding KV pages
     kv_tokens: int | None = None  # the device KV capacity in tokens (the ranks size it on CUDA)
+    steps: int = 0  # steps finished since start: the api sees progress as this moving
+    failed_steps: int = 0  # steps that failed in a row (alive turns False past a bound)
 
 
 class CacheFlushed(msgspec.Struct, frozen=True, tag="flushed"):
@@ -264,6 +269,7 @@ class StepResult(msgspec.Struct, frozen=True, tag="result"):
     sampled: list[Sampled]  # one per chunk with sample=True, in plan order
     forward_s: float  # seconds inside the model forward alone (overhead = step time minus this)
     error: str | None = None  # set when the step failed; the router fails the step's requests
+    malformed: int = 0  # plans this rank dropped since start because they did not decode (link rank_in)
 
 
 class RankReady(msgspec.Struct, frozen=True, tag="ready"):

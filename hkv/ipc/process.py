@@ -5,13 +5,17 @@ The launcher starts each actor as `python -m hkv.actors.<name> --config-file F
 
 - the config file holds the frozen `HkvConfig` as JSON (built once at the CLI);
 - the lifeline is the read end of a pipe whose write end only the launcher
-  holds: EOF means the launcher died, so the actor stops and unlinks the
-  instance's shared memory (nobody else is left to do it);
+  holds: EOF means the launcher died, so the actor stops at once (no drain:
+  its peers stop too) and removes the shared memory and run directory the
+  launcher created (nobody else is left to do it), and nothing a later
+  launcher of the same name created;
 - the status pipe carries one JSON line per event to the launcher:
   `{"ready": {...}}` once the actor serves, `{"error": "..."}` before it dies.
 
-SIGTERM asks the actor to stop (the api drains first); SIGINT is ignored,
-because a terminal's Ctrl-C is the launcher's to handle.
+SIGTERM asks the actor to stop (the api drains first); SIGUSR1, sent by the
+launcher when another actor died, asks it to stop without draining, since
+in-flight work can no longer finish. SIGINT is ignored, because a terminal's
+Ctrl-C is the launcher's to handle.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from hkv.config import HkvConfig
+from hkv.ipc.creator import Creator
 
 log = logging.getLogger("hkv")
 
@@ -40,6 +45,8 @@ class ActorContext:
     status_fd: int
     stop: asyncio.Event = field(default_factory=asyncio.Event)  # set: leave now (after draining)
     launcher_gone: bool = False  # the lifeline broke: nobody else will clean up
+    abandoned: str | None = None  # why in-flight work cannot finish (no drain); None: stop normally
+    launcher: Creator | None = None  # the process that started this actor, which created the instance
 
     def ready(self, **info) -> None:
         """Tell the launcher this actor serves."""
@@ -53,6 +60,12 @@ class ActorContext:
         if not self.stop.is_set():
             log.info("%s: stopping (%s)", self.name, reason)
             self.stop.set()
+
+    def abandon(self, reason: str) -> None:
+        """Stop without draining: the engine behind this actor is gone."""
+        if self.abandoned is None:
+            self.abandoned = reason
+        self.request_stop(reason)
 
     def _status(self, payload: dict) -> None:
         try:
@@ -112,7 +125,7 @@ def _watch_lifeline(fd: int, ctx: ActorContext) -> None:
         if not data:
             loop.remove_reader(fd)
             ctx.launcher_gone = True
-            ctx.request_stop("launcher gone")
+            ctx.abandon("the server's launcher is gone")
 
     loop.add_reader(fd, on_readable)
 
@@ -133,9 +146,11 @@ def run_actor(name: str, body: ActorBody, argv: list[str] | None = None) -> None
 
 
 async def _main(who: str, body: ActorBody, cfg: HkvConfig, args: argparse.Namespace) -> int:
-    ctx = ActorContext(name=who, rank=args.rank, status_fd=args.status_fd)
+    ctx = ActorContext(name=who, rank=args.rank, status_fd=args.status_fd, launcher=Creator.of(os.getppid()))
     _watch_lifeline(args.lifeline_fd, ctx)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, ctx.request_stop, "SIGTERM")
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, ctx.request_stop, "SIGTERM")
+    loop.add_signal_handler(signal.SIGUSR1, ctx.abandon, "an actor of this server exited")
     try:
         await body(cfg, ctx)
     except Exception as exc:  # the one place an actor's failure becomes an exit code
@@ -143,13 +158,15 @@ async def _main(who: str, body: ActorBody, cfg: HkvConfig, args: argparse.Namesp
         ctx.failed(f"{who}: {type(exc).__name__}: {exc}")
         return 1
     finally:
-        if ctx.launcher_gone:
-            _cleanup_orphaned(cfg)
+        if ctx.launcher_gone and ctx.launcher is not None:
+            _cleanup_orphaned(cfg, ctx.launcher)
     return 0
 
 
-def _cleanup_orphaned(cfg: HkvConfig) -> None:
-    """The launcher died: unlink the instance's shared memory ourselves."""
+def _cleanup_orphaned(cfg: HkvConfig, launcher: Creator) -> None:
+    """The launcher died: remove what it created (and only that) ourselves."""
+    from hkv.ipc.rundir import remove_run_dir
     from hkv.ipc.shm import unlink_instance
 
-    unlink_instance(cfg.server.name)
+    unlink_instance(cfg.server.name, creator=launcher)
+    remove_run_dir(cfg.run_dir, launcher)

@@ -31,6 +31,8 @@ from typing import Any
 
 import posix_ipc
 
+from hkv.ipc.creator import Creator, creator_alive, pid_namespace, process_start_ticks
+
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "hkv-"
 MAGIC = b"HKVSHM01"
@@ -112,36 +114,6 @@ def parse_segment_file(filename: str) -> tuple[str, str] | None:
     if not sep or not _INSTANCE_RE.fullmatch(instance) or not _REGION_RE.fullmatch(region):
         return None
     return instance, region
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot; None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # comm (field 2) may hold spaces and ')', so split after the last ')'.
-    fields = raw.rpartition(b")")[2].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
-def _pid_namespace() -> int:
-    """Inode of this process's pid namespace, 0 when /proc does not tell."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def creator_alive(pid: int, start_ticks: int, pid_ns: int) -> bool | None:
-    """True/False for a creator in our pid namespace; None when it cannot be judged."""
-    ours = _pid_namespace()
-    if pid_ns and ours and pid_ns != ours:
-        return None
-    return process_start_ticks(pid) == start_ticks
 
 
 @dataclass(frozen=True)
@@ -231,7 +203,7 @@ class ShmRegion:
         start = process_start_ticks(pid)
         if start is None:
             raise ShmError("cannot read this process's start time from /proc")
-        header = SegmentHeader(HEADER_VERSION, version, pid, start, _pid_namespace(),
+        header = SegmentHeader(HEADER_VERSION, version, pid, start, pid_namespace(),
                                HEADER_SIZE, payload_size, writer, region)
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600,
@@ -591,7 +563,24 @@ def sweep_orphans(instance: str | None = None) -> list[str]:
     return removed
 
 
-def unlink_instance(instance: str) -> list[str]:
-    """Unlink every segment of `instance`, live or not (launcher exit); returns the names."""
+def unlink_instance(instance: str, creator: Creator | None = None) -> list[str]:
+    """Unlink the segments of `instance`; returns the names.
+
+    With `creator`, only the segments whose header names that process (pid and
+    start time): an instance started later under the same name keeps its own.
+    Without it, every segment of the name, live or not (tests and `--sweep`).
+    """
     prefix = f"{SEGMENT_PREFIX}{validate_instance(instance)}-"
-    return ["/" + f for f in _shm_files(prefix) if unlink_segment("/" + f)]
+    names = ["/" + f for f in _shm_files(prefix)]
+    if creator is not None:
+        names = [n for n in names if _created_by(n, creator)]
+    return [n for n in names if unlink_segment(n)]
+
+
+def _created_by(name: str, creator: Creator) -> bool:
+    try:
+        raw, size, _ = _read_header_bytes(os.path.join(SHM_DIR, name[1:]))
+        header = SegmentHeader.unpack(raw, size)
+    except (OSError, RegionCorrupt):
+        return False
+    return creator.same_as(header.creator_pid, header.creator_start_ticks)

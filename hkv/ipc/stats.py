@@ -42,6 +42,10 @@ FIELDS = (
     "flushes",  # counter: /cache/flush calls
     "page_size",  # constant: tokens per KV page
     "radix_reachable_pages",  # gauge: cached pages a hit could reach (hybrid: up to a checkpoint), every <= 0.5 s
+    "malformed_router_in",  # counter: router_in messages dropped (undecodable, or invalid fields)
+    "malformed_router_results",  # counter: rank results dropped (undecodable, or not answering the plan)
+    "malformed_rank_in",  # counter: plans rank 0 dropped (undecodable), as its results report
+    "failed_steps",  # counter: steps whose result carried an error
 )
 NBYTES = len(FIELDS) * 8
 

@@ -162,6 +162,9 @@ class ApiMetrics:
         self.engine_ready = Gauge("hkv_engine_ready", "1 when the router can admit work", registry=r)
         self.engine_waiting = Gauge("hkv_engine_waiting_requests", "Requests queued at the router", registry=r)
         self.engine_running = Gauge("hkv_engine_running_requests", "Requests holding KV pages", registry=r)
+        self.refused_connections = Counter(
+            "hkv_http_connections_refused", "Connections refused past --max-connections", registry=r
+        )
         r.register(_MalformedCollector(malformed_sources))
         r.register(_EngineStatsCollector(engine_stats))
         r.register(_TierStatsCollector(tier_stats))

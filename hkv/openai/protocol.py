@@ -6,7 +6,9 @@ Two stages:
 
 1. `parse_completion` / `parse_chat` check the JSON shape, types and ranges
    (no tokenizer needed). JSON null and an absent field mean the same thing;
-   unknown fields are ignored because clients send them.
+   unknown fields are ignored because clients send them. A text prompt longer
+   than the context could hold in characters (`max_prompt_chars`) is refused
+   here, before it costs a tokenization.
 2. Once the prompts are tokenized, `plan_sequences` checks token counts
    against the context length and the KV capacity and fans each prompt out
    into `n` sequences with their own seeds.
@@ -69,20 +71,31 @@ class ModelLimits:
     vocab_size: int
     context_len: int  # max_position_embeddings
     kv_capacity: int  # device KV cache capacity in tokens (--max-total-tokens)
+    # characters of one prompt (a chat: its messages together) that could still fit: the most
+    # prompt tokens times the longest token's characters; None when the tokenizer is not known
+    max_prompt_chars: int | None = None
 
     @property
     def max_seq_len(self) -> int:
         """Prompt plus completion tokens one sequence may hold."""
         return min(self.context_len, self.kv_capacity)
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """A prompt must leave room for one generated token."""
+        return self.max_seq_len - 1
+
     def accepts_model(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases
 
     @classmethod
-    def of(cls, model_id: str, folder: str, vocab_size: int, context_len: int, kv_capacity: int) -> "ModelLimits":
-        """The limits of the served model (its id, checkpoint folder and description's figures)."""
+    def of(cls, model_id: str, folder: str, vocab_size: int, context_len: int, kv_capacity: int,
+           token_chars: int | None = None) -> "ModelLimits":
+        """The limits of the served model (its id, checkpoint folder and description's figures);
+        `token_chars`: characters of the tokenizer's longest token, which bounds a prompt's text."""
         aliases = frozenset({str(folder), str(Path(folder).resolve())})
-        return cls(model_id, aliases, vocab_size, context_len, kv_capacity)
+        chars = None if token_chars is None else (min(context_len, kv_capacity) - 1) * token_chars
+        return cls(model_id, aliases, vocab_size, context_len, kv_capacity, chars)
 
 
 @dataclass(frozen=True)
@@ -270,6 +283,9 @@ def parse_completion(body: dict[str, Any], limits: ModelLimits) -> CompletionReq
     _check_model(body, limits)
     _refuse_unsupported(body)
     prompts = _prompts(body.get("prompt"), limits.vocab_size)
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            _check_text_size(len(prompt), limits)
     max_tokens = _opt_int(body, "max_tokens", 1)
     logprobs = _opt_int(body, "logprobs", 0, MAX_LOGPROBS)
     options = _options(body, limits, max_tokens, logprobs)
@@ -299,6 +315,17 @@ def _prompts(value: Any, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
     raise _bad("prompt", f"`prompt` must be {_PROMPT_SHAPES}")
 
 
+def _check_text_size(chars: int, limits: ModelLimits) -> None:
+    """Refuse text that has more tokens than fit, whatever its tokenization (no token is longer)."""
+    if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
+        raise _bad(
+            "prompt",
+            f"The prompt has {chars} characters, more than {limits.max_prompt_tokens} tokens of this model "
+            f"can hold (at most {limits.max_prompt_chars} characters).",
+            "context_length_exceeded",
+        )
+
+
 def _text_prompt(text: str) -> str:
     if not text:
         raise _bad("prompt", "`prompt` must not be empty")
@@ -322,6 +349,7 @@ def parse_chat(body: dict[str, Any], limits: ModelLimits) -> ChatRequest:
     _check_model(body, limits)
     _refuse_unsupported(body)
     messages = _messages(body.get("messages"))
+    _check_text_size(sum(len(m.content) for m in messages), limits)
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
@@ -363,6 +391,7 @@ def _content(value: Any, role: str, param: str) -> str:
     texts = []
     for j, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
+        kind = kind if isinstance(kind, str) else None  # a list or object `type` is no part (and unhashable)
         if kind in IMAGE_PARTS:
             raise _bad(f"{param}[{j}]", "images are not supported by this model")
         if kind in AUDIO_PARTS:
@@ -373,9 +402,8 @@ def _content(value: Any, role: str, param: str) -> str:
     return "\n".join(texts)
 
 
-def resolve_max_tokens(prompt_len: int, requested: int | None, limits: ModelLimits, default_cap: int | None) -> int:
-    """Completion budget for one prompt; refuses prompts that can never run."""
-    param = "prompt" if requested is None else "max_tokens"
+def check_prompt_len(prompt_len: int, limits: ModelLimits) -> None:
+    """Refuse a prompt of `prompt_len` tokens that can never run."""
     if prompt_len == 0:
         raise _bad("prompt", "the prompt is empty after tokenization")
     if prompt_len >= limits.context_len:
@@ -392,6 +420,12 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, limits: ModelLimi
             f"{limits.kv_capacity} tokens (--max-total-tokens); it can never run.",
             "context_length_exceeded",
         )
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, limits: ModelLimits, default_cap: int | None) -> int:
+    """Completion budget for one prompt; refuses prompts that can never run."""
+    param = "prompt" if requested is None else "max_tokens"
+    check_prompt_len(prompt_len, limits)
     if requested is None:
         room = limits.max_seq_len - prompt_len
         return room if default_cap is None else min(default_cap, room)

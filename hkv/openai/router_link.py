@@ -5,6 +5,8 @@ router in order, one reads Outbound messages and routes each TokenDelta to
 the `RequestStream` of the HTTP request that owns the sequence. Handlers
 only call the synchronous `open` / `abort` / `close`, so an abort can be
 issued from a `finally` block of a cancelled handler and is never lost.
+`EngineProgress` judges from the router's EngineState reports whether the
+engine still moves.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import (
+    ENGINE_HEARTBEAT_S,
     AbortRequest,
     CacheFlushed,
     EngineState,
@@ -80,10 +84,49 @@ class RequestStream:
             self.end(req_id, reason, finish_reason)
 
 
+class EngineProgress:
+    """Whether the engine moves, judged on the api's own clock from the router's reports.
+
+    Stalled: the router has not reported for stall_s + ENGINE_HEARTBEAT_S (it
+    reports at least every ENGINE_HEARTBEAT_S, even mid-step), or work is
+    pending and its finished-step count has not moved for stall_s (counted
+    from when the work arrived, if the engine was idle before).
+    """
+
+    def __init__(self, stall_s: float, clock: Callable[[], float] = time.monotonic):
+        self.stall_s = stall_s
+        self._clock = clock
+        self._heard_at: float | None = None  # None until the first report
+        self._moved_at = 0.0  # when the step count last moved, or work arrived at an idle engine
+        self._steps = 0
+        self._pending = False
+
+    def on_state(self, state: EngineState) -> None:
+        now = self._clock()
+        pending = state.waiting + state.running > 0
+        if state.steps != self._steps or (pending and not self._pending):
+            self._moved_at = now
+        self._steps, self._pending, self._heard_at = state.steps, pending, now
+
+    def stalled(self) -> str | None:
+        """Why the engine counts as stalled now, or None."""
+        if self._heard_at is None:
+            return None
+        now = self._clock()
+        silent = now - self._heard_at
+        if silent > self.stall_s + ENGINE_HEARTBEAT_S:
+            return f"the router has not reported for {silent:.1f} s"
+        idle = now - self._moved_at
+        if self._pending and idle > self.stall_s:
+            return f"no step finished for {idle:.1f} s with work pending"
+        return None
+
+
 class RouterLink:
     """Submits sequences to the router and routes their deltas back."""
 
-    def __init__(self, receiver: Receiver[Outbound], sender: Sender[Inbound], outbox_bound: int):
+    def __init__(self, receiver: Receiver[Outbound], sender: Sender[Inbound], outbox_bound: int,
+                 stall_s: float = 10.0):
         self._receiver = receiver
         self._sender = sender
         self._outbox: asyncio.Queue[Inbound] = asyncio.Queue(maxsize=outbox_bound)
@@ -91,6 +134,7 @@ class RouterLink:
         self._req_ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.state: EngineState | None = None  # the router's last report; None until the first
+        self.progress = EngineProgress(stall_s)
         self._flushes: dict[int, asyncio.Future[CacheFlushed]] = {}  # flush id -> its answer
         self._flush_ids = itertools.count(1)
         self.first_ready = asyncio.Event()  # set once the router first reports it can admit
@@ -103,7 +147,12 @@ class RouterLink:
 
     @property
     def ready(self) -> bool:
-        return self.alive and self.state is not None and self.state.ready
+        return self.alive and self.state is not None and self.state.ready and self.progress.stalled() is None
+
+    @property
+    def inbox_malformed(self) -> int:
+        """Frames on api_in that did not decode."""
+        return self._receiver.malformed
 
     @property
     def in_flight(self) -> int:
@@ -211,6 +260,7 @@ class RouterLink:
                     self._route(delta)
 
     def _on_state(self, state: EngineState) -> None:
+        self.progress.on_state(state)
         if state.alive is False and self.alive:
             log.error("the router reports the engine dead; failing %d sequences", len(self._routes))
             self.state = state

@@ -5,7 +5,10 @@ sampled: from an offset picked by the seed), a few per step, one TokenBatch
 per step for all running sequences, until max_tokens ("length"). A prompt
 whose text contains "EOS" gets the end-of-sequence token after EOS_AFTER
 tokens ("stop", unless ignore_eos). AbortRequest ends a sequence with an
-empty "abort" delta, as the real router does.
+empty "abort" delta, as the real router does. Like the real router it reports
+its EngineState (with a step count) on a heartbeat; `freeze()` stops its steps
+(a stalled engine) until `thaw()` while the reports go on, `silent` stops the
+reports too.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ class FakeRouter:
     seen_prompts: set[tuple[int, ...]] = field(default_factory=set)
     pending_aborts: list[TokenDelta] = field(default_factory=list)
     pending_flushes: list[FlushCache] = field(default_factory=list)
+    heartbeat_s: float = 0.1
+    steps: int = 0
+    ready: bool = True
+    alive: bool = True
+    silent: bool = False  # no reports
+    thawed: asyncio.Event = field(default_factory=asyncio.Event)  # clear: no steps (see freeze)
 
     async def __aenter__(self) -> "FakeRouter":
         self._zctx = zmq.asyncio.Context()
@@ -63,19 +72,36 @@ class FakeRouter:
         self.inbox.start()
         self._script = self.tokenizer.encode(SCRIPT)
         self._eos = self.tokenizer.eos_token_ids[0]
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self.thaw()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run()), loop.create_task(self._heartbeat())]
         await self.send_state(ready=True)
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.inbox.aclose()
         await self.to_api.aclose()
         self._zctx.destroy(linger=0)
 
     async def send_state(self, ready: bool, alive: bool = True) -> None:
-        await self.to_api.send(EngineState(ready=ready, alive=alive, waiting=0, running=len(self.running)))
+        self.ready, self.alive = ready, alive
+        await self.to_api.send(EngineState(ready=ready, alive=alive, waiting=0, running=len(self.running),
+                                           steps=self.steps))
+
+    def freeze(self) -> None:
+        self.thawed.clear()
+
+    def thaw(self) -> None:
+        self.thawed.set()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            if not self.silent:
+                await self.send_state(self.ready, self.alive)
 
     @property
     def aborted(self) -> list[int]:
@@ -93,6 +119,7 @@ class FakeRouter:
     async def _run(self) -> None:
         step = 0
         while True:
+            await self.thawed.wait()
             if not self.running:
                 self._handle(await self.inbox.get())
             for msg in self.inbox.drain():
@@ -106,6 +133,7 @@ class FakeRouter:
             if deltas:
                 await self.to_api.send(TokenBatch(deltas))
             step += 1
+            self.steps += 1
             await asyncio.sleep(self.step_s)
 
     def _handle(self, msg: Inbound) -> None:

@@ -3,128 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
-import json
-import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-import aiohttp
 import openai
 import pytest
 
-from hkv.config import CacheConfig, HkvConfig, ModelConfig, SchedulerConfig, ServerConfig, SpecConfig
-from hkv.ipc.process import ActorContext
-from hkv.models.loader import describe_model
-from hkv.actors.api import serve
-from tests.actors.fake_router import EOS_AFTER, SCRIPT, FakeRouter
+from hkv.config import KeyHash
+from tests.actors.api_harness import Harness, running
+from tests.actors.fake_router import EOS_AFTER, SCRIPT
 from tests.openai.malformed_cases import MALFORMED_CASES
-from tests.openai.tokenizer_fixture import tiny_dense_folder, tiny_tokenizer
+from tests.openai.tokenizer_fixture import tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
 API_KEY = "sekret-key"
-
-
-def make_cfg(run_dir: str, **server: object) -> HkvConfig:
-    base = ServerConfig(
-        host="127.0.0.1",
-        port=0,
-        name="apitest",
-        mode="normal",
-        prefill_urls=(),
-        decode_urls=(),
-        secret_file=None,
-        api_key=None,
-        log_level="info",
-        max_body_bytes=8 * 1024 * 1024,
-        drain_timeout_s=5.0,
-    )
-    return HkvConfig(
-        model=ModelConfig("tiny-dense", str(tiny_dense_folder()), "float32", "cpu", 1, 0, 1,
-                          describe_model(tiny_dense_folder())),
-        cache=CacheConfig(16, 4096, True, False, None, 0, 0.0, None, None),
-        scheduler=SchedulerConfig(max_running_requests=8, chunked_prefill_size=512, max_queued_requests=64),
-        spec=SpecConfig(0, None),
-        server=dataclasses.replace(base, **server),
-        run_dir=run_dir,
-    )
-
-
-@dataclass
-class Harness:
-    url: str
-    router: FakeRouter
-    ctx: ActorContext
-    task: asyncio.Task
-    http: aiohttp.ClientSession
-
-    async def post(self, path: str, body: dict, **headers: str) -> tuple[int, dict]:
-        async with self.http.post(self.url + path, json=body, headers=headers) as resp:
-            return resp.status, await resp.json(content_type=None)
-
-    async def sse(self, path: str, body: dict) -> list[dict]:
-        """Every `data:` event of a streamed response, [DONE] last (as the string "[DONE]")."""
-        events = []
-        async with self.http.post(self.url + path, json={**body, "stream": True}) as resp:
-            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
-            async for line in resp.content:
-                if line.startswith(b"data: "):
-                    data = line[6:].strip()
-                    events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-        assert events[-1] == "[DONE]"
-        return events
-
-    def client(self, api_key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=20)
-
-
-async def _wait_ready(status_r: int, task: asyncio.Task) -> str:
-    """Read the actor's {"ready": {"url": ...}} status line."""
-    os.set_blocking(status_r, False)
-    async with asyncio.timeout(10):
-        while True:
-            if task.done():
-                task.result()
-                raise AssertionError("serve returned before it was ready")
-            with contextlib.suppress(BlockingIOError):
-                return json.loads(os.read(status_r, 4096).splitlines()[0])["ready"]["url"]
-            await asyncio.sleep(0.01)
-
-
-async def _wait_admitting(http: aiohttp.ClientSession, url: str) -> None:
-    """/ready turns 200 once the router's first EngineState arrived."""
-    async with asyncio.timeout(10):
-        while True:
-            async with http.get(url + "/ready") as resp:
-                if resp.status == 200:
-                    return
-            await asyncio.sleep(0.01)
-
-
-@contextlib.asynccontextmanager
-async def running(**server: object) -> AsyncIterator[Harness]:
-    run_dir = tempfile.mkdtemp(prefix="hkv-api-")  # short: ipc paths are limited to ~100 bytes
-    cfg = make_cfg(run_dir, **server)
-    status_r, status_w = os.pipe()
-    try:
-        async with FakeRouter(cfg, tiny_tokenizer()) as router, aiohttp.ClientSession() as http:
-            ctx = ActorContext(name="api", rank=0, status_fd=status_w)
-            task = asyncio.create_task(serve(cfg, ctx))
-            try:
-                url = await _wait_ready(status_r, task)
-                await _wait_admitting(http, url)
-                yield Harness(url, router, ctx, task, http)
-            finally:
-                ctx.request_stop("test over")
-                await asyncio.wait_for(task, 15)
-    finally:
-        os.close(status_r)
-        os.close(status_w)
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -334,7 +226,7 @@ async def test_client_disconnect_aborts_non_streaming(api):
 
 
 async def test_api_key_required():
-    async with running(api_key=API_KEY) as api:
+    async with running(api_key=KeyHash.of(API_KEY)) as api:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             status, body = await api.post("/v1/completions", {"prompt": "hi", "max_tokens": 1}, **headers)
             assert status == 401 and body["error"]["code"] == "invalid_api_key"
@@ -370,7 +262,7 @@ async def test_engine_death_fails_in_flight_and_health(api):
     await api.router.wait_for(lambda: api.router.running)
     await api.router.send_state(ready=False, alive=False)
     code, body = await asyncio.wait_for(request, 5)
-    assert code == 500 and body["error"]["type"] == "server_error"
+    assert code == 503 and body["error"]["type"] == "server_error" and body["error"]["code"] == "engine_failed"
     async with api.http.get(api.url + "/health") as resp:
         assert resp.status == 503
 

@@ -8,6 +8,7 @@ queue, flush and the stats block.
 
 import asyncio
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -50,6 +51,7 @@ def make_worker(tmp_path, units=6, hybrid=True, disk=True) -> CacheWorker:
     worker.lookups = asyncio.Queue(maxsize=1024)
     worker.writes = asyncio.Queue(maxsize=16)
     worker.changed = asyncio.Event()
+    worker.inbox = SimpleNamespace(malformed=0)  # frames that did not decode, counted in stats()["malformed"]
     return worker
 
 

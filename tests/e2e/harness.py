@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,17 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def run_dirs(name: str) -> list[str]:
+    """Run directories of instance `name` in the temp folder."""
+    parent = tempfile.gettempdir()
+    return sorted(f for f in os.listdir(parent) if f.startswith(f"hkv-{name}-"))
+
+
+def cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen
@@ -72,6 +84,18 @@ class Server:
     def actor_pids(self) -> list[int]:
         return children_of(self.proc.pid)
 
+    def actor_pid(self, module: str) -> int:
+        """The pid of the actor running `module` (e.g. "hkv.actors.router")."""
+        for pid in self.actor_pids():
+            if module in cmdline(pid):
+                return pid
+        raise AssertionError(f"no {module} child of {self.proc.pid}")
+
+    def run_dir(self) -> str:
+        """This instance's run directory, from an actor's --config-file argument."""
+        args = cmdline(self.actor_pid("hkv.actors.api"))
+        return os.path.dirname(args[args.index("--config-file") + 1])
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -83,12 +107,13 @@ class Server:
             raise AssertionError(f"hkv-launch did not exit within {timeout} s\n{self.log()}")
 
 
-def launch(args: list[str], tmp_path: Path, env: dict | None = None) -> Server:
+def launch(args: list[str], tmp_path: Path, env: dict | None = None, port: int | None = None,
+           name: str | None = None) -> Server:
     """Start hkv-launch and wait for its ready line; raises with its log if it fails."""
-    port = free_port()
-    name = f"t{os.getpid()}_{port}"
+    port = port or free_port()
+    name = name or f"t{os.getpid()}_{port}"
     log_path = tmp_path / f"hkv-{port}.log"
-    log_file = open(log_path, "w")
+    log_file = open(log_path, "a")
     proc = subprocess.Popen(
         [LAUNCH, "--port", str(port), "--name", name, "--device", "cpu", *args],
         stdout=subprocess.PIPE,

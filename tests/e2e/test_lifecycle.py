@@ -27,11 +27,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _actor_pid(server, module: str) -> int:
-    for pid in server.actor_pids():
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if module.encode() in f.read():
-                return pid
-    raise AssertionError(f"no {module} child of {server.proc.pid}")
+    return server.actor_pid(module)
 
 
 def _post(url: str, body: dict, timeout: float = 30.0):

@@ -52,3 +52,11 @@ def test_logprobs_and_top_logprobs():
     assert out.token_id == 2
     assert math.isclose(out.logprob, float(expected[2]), rel_tol=1e-6)
     assert [t.token_id for t in out.top_logprobs] == [2, 1]
+
+
+def test_extreme_but_valid_parameters_still_give_a_token():
+    """Issue 16: top_p=5e-324 rounds to 0 in float32 and a tiny temperature overflows; both failed the step."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    for params in ({"temperature": 1.0, "top_p": 5e-324}, {"temperature": 5e-324}, {"temperature": 1e-30, "seed": 3}):
+        outs = sample(logits, [row(**params), row(**params)])
+        assert outs[0].token_id == 0 and 0 <= outs[1].token_id < 4

@@ -35,6 +35,7 @@ from hkv.ipc.shm import (
     unlink_instance,
 )
 
+from hkv.ipc.creator import Creator
 from tests.shm_helpers import fresh_instance, make_dead_segment
 
 
@@ -292,6 +293,16 @@ def test_unlink_instance_touches_only_that_instance(instance):
         assert [s.region for s in list_segments(other)] == ["a"]
     finally:
         unlink_instance(other)
+
+
+def test_unlink_instance_with_a_creator_leaves_a_later_instances_segments(instance):
+    """Issue 16, item 5: a dead launcher's late cleanup must not delete a new instance's segments."""
+    ShmRegion.create(instance, "mine", 8, "router").close()
+    me = Creator.this_process()
+    later = own_header("later", creator_start_ticks=me.start_ticks + 1)  # same pid, another process
+    make_raw_segment(instance, "later", later.pack() + bytes(8))
+    assert unlink_instance(instance, creator=me) == [f"/hkv-{instance}-mine"]
+    assert [s.region for s in list_segments(instance)] == ["later"]
 
 
 def test_segment_info_json(instance):

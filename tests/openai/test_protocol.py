@@ -191,6 +191,7 @@ def test_chat_logprobs(logprobs, top, expected):
         ({"type": "input_audio", "input_audio": {}}, "audio is not supported by this model"),
         ({"type": "video"}, "text part"),
         ("just a string", "text part"),
+        ({"type": {}, "text": ""}, "text part"),  # schemathesis found this one: it was a 500
     ],
 )
 def test_chat_non_text_parts(part, fragment):

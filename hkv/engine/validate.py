@@ -1,0 +1,114 @@
+"""Checks on what reaches the router, before any field is used as an index or a size.
+
+The api validates requests already, but anything that can write to the
+router's sockets (a bug, another process of this user) must neither crash
+the router nor fail the requests batched with a bad one. The router asks
+`InboxCheck` about each message at its inbox and each step result before
+applying it; what fails is dropped and counted per link. A GenerateRequest
+that fails on a field other than its id is answered with an error delta, so
+its client is not left waiting; one reusing a live id is only dropped.
+Tier answers are checked where their ids are known (TierClient).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hkv.ipc.messages import GenerateRequest, SamplingParams, StepPlan, StepResult
+
+INT64_MAX = 2**63 - 1  # request-table req_id is int64
+MAX_LOGPROBS = 20  # alternatives per token a sequence may ask for
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    """What one sequence may hold, from the config."""
+
+    vocab_size: int
+    max_context: int  # prompt + output tokens of one sequence (the model's context)
+    row_tokens: int  # tokens one request-table row can hold pages for
+    kv_tokens: int  # device KV capacity in tokens
+    max_live: int  # sequences queued or running at once (the api's own bound on what it has in flight)
+
+    @property
+    def max_prompt(self) -> int:
+        """A prompt must leave room for one generated token in every bound."""
+        return min(self.max_context, self.row_tokens, self.kv_tokens) - 1
+
+
+class InboxCheck:
+    """Validates messages for the router; counts drops per link."""
+
+    def __init__(self, limits: RouterLimits):
+        self.limits = limits
+        self.live: set[int] = set()  # req ids admitted and not yet finished (a reused one is dropped)
+        self.dropped_router_in = 0
+        self.dropped_results = 0
+
+    def generate(self, msg: GenerateRequest) -> str | None:
+        """None if `msg` may be scheduled (its id is then live), else why not."""
+        if not 0 < msg.req_id <= INT64_MAX or msg.req_id in self.live:
+            self.dropped_router_in += 1
+            return "reused or out-of-range req_id"
+        reason = self._prompt(msg.prompt_ids) or _sampling(msg.sampling, self.limits.vocab_size)
+        if reason is None and len(self.live) >= self.limits.max_live:
+            reason = f"{len(self.live)} sequences are queued or running already"
+        if reason is not None:
+            self.dropped_router_in += 1
+            return reason
+        self.live.add(msg.req_id)
+        return None
+
+    def usable_id(self, msg: GenerateRequest) -> bool:
+        """Whether a refused request may be answered under its id (it clashes with nothing)."""
+        return 0 < msg.req_id <= INT64_MAX and msg.req_id not in self.live
+
+    def finished(self, req_id: int) -> None:
+        self.live.discard(req_id)
+
+    def _prompt(self, ids: list[int]) -> str | None:
+        limit = self.limits.max_prompt
+        if not 0 < len(ids) <= limit:
+            return f"prompt of {len(ids)} tokens, want 1..{limit}"
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= self.limits.vocab_size:
+            return f"token id {low if low < 0 else high} outside the vocabulary [0, {self.limits.vocab_size})"
+        return None
+
+    def result(self, result: StepResult, plan: StepPlan) -> str | None:
+        """None if `result` answers `plan` with usable tokens, else why not (the step then counts as failed)."""
+        reason = _result(result, plan, self.limits.vocab_size)
+        if reason is not None:
+            self.dropped_results += 1
+        return reason
+
+
+def _sampling(s: SamplingParams, vocab_size: int) -> str | None:
+    if s.max_tokens < 1:
+        return f"max_tokens {s.max_tokens} < 1"
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        return f"temperature {s.temperature}"
+    if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+        return f"top_p {s.top_p}"
+    if s.top_k is not None and s.top_k < 1:
+        return f"top_k {s.top_k}"
+    if s.logprobs is not None and not 0 <= s.logprobs <= min(MAX_LOGPROBS, vocab_size):
+        return f"logprobs {s.logprobs}"
+    return None
+
+
+def _result(result: StepResult, plan: StepPlan, vocab_size: int) -> str | None:
+    if result.error is not None:
+        return None  # a failed step is a valid answer: it carries no tokens to use
+    sampling_slots = [c.slot for c in plan.chunks if c.sample]
+    if [s.slot for s in result.sampled] != sampling_slots:
+        return f"sampled slots {[s.slot for s in result.sampled][:8]} do not match the plan's {sampling_slots[:8]}"
+    for s in result.sampled:
+        if not 0 <= s.token_id < vocab_size:
+            return f"sampled token id {s.token_id} outside the vocabulary"
+        if s.logprob is not None and math.isnan(s.logprob):
+            return "a NaN logprob"
+        if s.top_logprobs is not None and any(not 0 <= t.token_id < vocab_size for t in s.top_logprobs):
+            return "a top-logprob token id outside the vocabulary"
+    return None

@@ -1,0 +1,72 @@
+"""Readers of the other actors' shared-memory stats blocks, for /metrics (read at scrape time)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from hkv.config import HkvConfig
+from hkv.ipc import json_block, stats
+from hkv.ipc.shm import ShmError, ShmRegion
+from hkv.openai.router_link import RouterLink
+
+EngineStats = Callable[[], dict[str, float] | None]
+TierStats = Callable[[], dict | None]
+
+
+def attach_engine_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack) -> EngineStats:
+    """A reader of the router's stats block; reads nothing when there is none."""
+    try:
+        region = ShmRegion.attach(cfg.server.name, stats.REGION, readonly=True)
+    except ShmError:
+        return lambda: None
+    view = stats.RouterStats(region.payload)
+
+    def close() -> None:
+        view.release_views()
+        region.close()
+
+    stack.callback(close)
+    return view.read
+
+
+def attach_tier_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack) -> TierStats:
+    """A reader of the cache worker's stats block (a json_block); reads nothing without tiers."""
+    if not cfg.cache.tiers:
+        return lambda: None
+    from hkv.ipc.tier_regions import TIER_STATS_REGION
+
+    try:
+        region = ShmRegion.attach(cfg.server.name, TIER_STATS_REGION, readonly=True)
+    except ShmError:
+        return lambda: None
+    stack.callback(region.close)
+
+    def read() -> dict | None:
+        try:
+            doc = json_block.read(region.payload)
+        except json_block.JsonBlockBusy:
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    return read
+
+
+def malformed_sources(link: RouterLink, engine_stats: EngineStats, tier_stats: TierStats) -> dict[str, Callable[[], int]]:
+    """Dropped messages per link, wherever each link's receiver counts them."""
+
+    def engine(field: str) -> Callable[[], int]:
+        return lambda: int((engine_stats() or {}).get(field, 0))
+
+    def tier() -> int:
+        doc = tier_stats()
+        return int(doc.get("malformed", 0)) if doc is not None else 0
+
+    return {
+        "api_in": lambda: link.inbox_malformed,
+        "router_deltas": lambda: link.malformed,
+        "router_in": engine("malformed_router_in"),
+        "router_results": engine("malformed_router_results"),
+        "rank_in": engine("malformed_rank_in"),
+        "cache_in": tier,
+    }

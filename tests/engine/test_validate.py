@@ -1,0 +1,79 @@
+"""The router's inbox checks (issue 16, item 7): every field checked before it is an index or a size."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hkv.engine.validate import InboxCheck, RouterLimits
+from hkv.ipc.messages import Chunk, GenerateRequest, Sampled, SamplingParams, StepPlan, StepResult, TopLogprob
+
+LIMITS = RouterLimits(vocab_size=100, max_context=64, row_tokens=80, kv_tokens=48, max_live=3)
+
+
+def _req(req_id: int = 1, prompt=(1, 2, 3), **sampling) -> GenerateRequest:
+    return GenerateRequest(req_id, list(prompt), SamplingParams(**{"max_tokens": 4, **sampling}))
+
+
+def test_a_valid_request_becomes_live_until_it_finishes():
+    check = InboxCheck(LIMITS)
+    assert check.generate(_req(7)) is None and check.live == {7}
+    assert check.generate(_req(7)) == "reused or out-of-range req_id" and not check.usable_id(_req(7))
+    check.finished(7)
+    assert check.generate(_req(7)) is None
+    assert check.dropped_router_in == 1
+
+
+@pytest.mark.parametrize("req, fragment", [
+    (_req(0), "req_id"),
+    (_req(2**63), "req_id"),
+    (_req(prompt=()), "prompt of 0 tokens"),
+    (_req(prompt=[1] * 48), "prompt of 48 tokens, want 1..47"),  # min(context, row, kv) - 1
+    (_req(prompt=[1, 10**6]), "token id 1000000 outside the vocabulary"),
+    (_req(prompt=[-1, 2]), "token id -1"),
+    (_req(max_tokens=0), "max_tokens"),
+    (_req(temperature=math.nan), "temperature"),
+    (_req(temperature=-1.0), "temperature"),
+    (_req(top_p=0.0), "top_p"),
+    (_req(top_k=0), "top_k"),
+    (_req(logprobs=21), "logprobs"),
+])
+def test_bad_fields_are_refused_and_counted(req, fragment):
+    check = InboxCheck(LIMITS)
+    reason = check.generate(req)
+    assert reason is not None and fragment in reason
+    assert check.dropped_router_in == 1 and check.live == set()
+    assert check.usable_id(req) == (fragment != "req_id")
+
+
+def test_no_more_live_sequences_than_the_api_could_have_in_flight():
+    check = InboxCheck(LIMITS)
+    assert [check.generate(_req(i)) for i in (1, 2, 3)] == [None, None, None]
+    assert "3 sequences are queued or running" in check.generate(_req(4)) and check.usable_id(_req(4))
+    check.finished(2)
+    assert check.generate(_req(4)) is None
+
+
+def _plan() -> StepPlan:
+    chunks = [Chunk(0, [1, 2], 0, True), Chunk(1, [3], 5, False), Chunk(2, [4], 7, True)]
+    return StepPlan(step=3, new=[], chunks=chunks, freed=[])
+
+
+@pytest.mark.parametrize("sampled, fragment", [
+    ([Sampled(0, 5, None, None), Sampled(2, 6, None, None)], None),
+    ([Sampled(0, 5, None, None)], "sampled slots"),
+    ([Sampled(2, 5, None, None), Sampled(0, 6, None, None)], "sampled slots"),
+    ([Sampled(0, 100, None, None), Sampled(2, 6, None, None)], "token id 100"),
+    ([Sampled(0, 5, math.nan, None), Sampled(2, 6, None, None)], "NaN"),
+    ([Sampled(0, 5, -1.0, [TopLogprob(10**6, -2.0)]), Sampled(2, 6, None, None)], "top-logprob"),
+])
+def test_results_must_answer_the_plan(sampled, fragment):
+    check = InboxCheck(LIMITS)
+    reason = check.result(StepResult(3, sampled, 0.01), _plan())
+    assert (reason is None) == (fragment is None) and (fragment is None or fragment in reason)
+    assert check.dropped_results == (fragment is not None)
+
+
+def test_a_failed_step_is_a_valid_answer():
+    assert InboxCheck(LIMITS).result(StepResult(3, [], 0.0, "boom"), _plan()) is None

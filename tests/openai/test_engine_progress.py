@@ -1,0 +1,62 @@
+"""EngineProgress: the api's judgement of a stalled engine, on a fake clock (issue 16, item 3)."""
+
+from __future__ import annotations
+
+from hkv.ipc.messages import ENGINE_HEARTBEAT_S, EngineState
+from hkv.openai.router_link import EngineProgress
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _state(steps: int, waiting: int = 0, running: int = 0) -> EngineState:
+    return EngineState(ready=True, alive=True, waiting=waiting, running=running, steps=steps)
+
+
+def test_no_report_yet_is_not_a_stall():
+    assert EngineProgress(5.0, Clock()).stalled() is None
+
+
+def test_pending_work_without_a_finished_step_stalls_after_the_timeout():
+    clock = Clock()
+    p = EngineProgress(5.0, clock)
+    p.on_state(_state(10, running=1))
+    for _ in range(4):  # heartbeats with the same step count
+        clock.now += 1.0
+        p.on_state(_state(10, running=1))
+        assert p.stalled() is None
+    clock.now += 1.5
+    p.on_state(_state(10, running=1))
+    assert p.stalled() == "no step finished for 5.5 s with work pending"
+    p.on_state(_state(11, running=1))
+    assert p.stalled() is None
+
+
+def test_an_idle_engine_never_stalls_and_new_work_starts_the_clock():
+    clock = Clock()
+    p = EngineProgress(5.0, clock)
+    p.on_state(_state(10))
+    for _ in range(30):
+        clock.now += 1.0
+        p.on_state(_state(10))
+    assert p.stalled() is None
+    p.on_state(_state(10, waiting=1))  # work arrives after a long idle: not stalled yet
+    assert p.stalled() is None
+    clock.now += 5.1
+    p.on_state(_state(10, waiting=1))
+    assert p.stalled() is not None
+
+
+def test_a_silent_router_stalls_even_when_idle():
+    clock = Clock()
+    p = EngineProgress(2.0, clock)
+    p.on_state(_state(3))
+    clock.now += 2.0 + ENGINE_HEARTBEAT_S - 0.01
+    assert p.stalled() is None
+    clock.now += 0.02
+    assert p.stalled().startswith("the router has not reported for")
