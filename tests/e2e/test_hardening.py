@@ -180,7 +180,7 @@ def test_garbage_on_router_in_is_dropped_and_counted(server):
 def test_a_stopped_rank_makes_ready_503(server):
     events: list[str] = []
     first = threading.Event()
-    body = {"prompt": "stop me", "max_tokens": 1500, "ignore_eos": True}
+    body = {"prompt": "stop me", "max_tokens": 800, "ignore_eos": True}
     reader = threading.Thread(target=_stream, args=(f"{server.url}/v1/completions", body, events, first))
     reader.start()
     assert first.wait(30)

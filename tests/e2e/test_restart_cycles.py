@@ -2,7 +2,7 @@
 name and port, cycle after cycle: every start succeeds, no key is on disk or on a command line, and
 after a clean stop no segment and no run directory is left.
 
-HKV_RESTART_CYCLES sets the cycle count: 3 in CI; the acceptance run uses 20
+HKV_RESTART_CYCLES sets the cycle count: 2 in CI; the acceptance run uses 20
 (`HKV_RESTART_CYCLES=20 pytest tests/e2e/test_restart_cycles.py`, about 3 minutes on 2 cores).
 """
 
@@ -19,7 +19,7 @@ import pytest
 from tests.e2e.harness import children_of, cmdline, free_port, launch, process_alive, run_dirs, shm_segments
 
 pytestmark = pytest.mark.e2e
-CYCLES = int(os.environ.get("HKV_RESTART_CYCLES", "3"))
+CYCLES = int(os.environ.get("HKV_RESTART_CYCLES", "2"))
 KEY = "cycle-key-0123456789"
 
 
