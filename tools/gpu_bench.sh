@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call for the served numbers of issues 11, 12 and 13 on the benchmark model
 # (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
-#   run: bash tools/gpu_bench.sh [parts, default launch,i11,i12,i13,decode]
+#   run: bash tools/gpu_bench.sh [parts: launch,i11,i12,i13,decode; default all but decode]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
 OUT=${OUT:-.out}
 mkdir -p "$OUT"
-parts=${1:-launch,i11,i12,i13,decode}
+parts=${1:-launch,i11,i12,i13}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -22,7 +22,7 @@ LOG="$OUT/gpu_bench.log"
 PORT=8100
 SERVER_PID=
 wants() { [[ ,$parts, == *,$1,* ]]; }
-say() { echo "== $*" | tee -a "$LOG"; }
+say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
 start() {  # start NAME [flags...]: a server on $PORT, waits for /ready
   local name=$1; shift
@@ -60,8 +60,9 @@ EOF
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
 if wants launch; then
-  say "CUDA launch test: graphs, planning ahead, fp32 parity and bf16 logprobs against transformers"
+  say "CUDA launch test (graphs, planning ahead, fp32 parity and bf16 logprobs against transformers); fla's in-chunk states"
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=230 tests/e2e/test_cuda_launch.py \
+    tests/kernels/test_chunk_checkpoints.py \
     2>&1 | tail -6 | tee -a "$LOG"
 fi
 [[ -d $MODEL ]] || timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
