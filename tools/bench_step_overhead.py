@@ -30,13 +30,14 @@ from hkv.ipc import stats
 from hkv.ipc.shm import ShmRegion
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _start(model: str, port: int, name: str, extra: list[str]) -> subprocess.Popen:
+def start_server(model: str, port: int, name: str, extra: list[str]) -> subprocess.Popen:
+    """Start hkv-launch and wait for its ready line (also used by tools.soak)."""
     launch = str(Path(sys.executable).with_name("hkv-launch"))
     proc = subprocess.Popen(
         [launch, "--model", model, "--port", str(port), "--name", name, *extra],
@@ -79,8 +80,8 @@ def _stream(url: str, tokens: int, on_first, stream: bool = True) -> list[float]
 
 
 def measure(model: str, tokens: int, extra: list[str], stream: bool = True) -> dict:
-    port, name = _free_port(), f"bench{os.getpid()}"
-    proc = _start(model, port, name, extra)
+    port, name = free_port(), f"bench{os.getpid()}"
+    proc = start_server(model, port, name, extra)
     url = f"http://127.0.0.1:{port}"
     try:
         region = ShmRegion.attach(name, stats.REGION, readonly=True)

@@ -27,13 +27,13 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
+from tools.bench_step_overhead import free_port, start_server
 from tools.inspect import inspect_instance
 from tools.soak_report import report
 
@@ -61,34 +61,9 @@ def prompt_pool(seed: int) -> list[list[str]]:
     return [[f"{s}\nQuestion {q}: {_text(rng, 20)}?" for q in range(QUESTIONS)] for s in systems]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, port: int, name: str, disk_dir: str) -> subprocess.Popen:
-    launch = str(Path(sys.executable).with_name("hkv-launch"))
-    proc = subprocess.Popen(
-        [launch, "--model", model, "--device", "cpu", "--port", str(port), "--name", name,
-         "--max-total-tokens", "8192", "--cpu-cache-gb", "0.05", "--disk-cache-dir", disk_dir,
-         "--disk-cache-gb", "0.2"],
-        stdout=subprocess.PIPE, text=True,
-    )
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            print(line.rstrip(), file=sys.stderr)
-            if "serving" in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(300) or proc.poll() is not None:
-        proc.kill()
-        raise SystemExit("hkv-launch did not start")
-    return proc
+def start(model: str, port: int, name: str, disk_dir: str) -> subprocess.Popen:
+    return start_server(model, port, name, ["--device", "cpu", "--max-total-tokens", "8192", "--cpu-cache-gb", "0.05",
+                                            "--disk-cache-dir", disk_dir, "--disk-cache-gb", "0.2"])
 
 
 async def _normal(http: aiohttp.ClientSession, url: str, body: dict, stream: bool, out: Outcomes) -> None:
@@ -214,9 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=16, help="seed of the prompt pool and the clients (default: 16)")
     p.add_argument("--out", default="soak-out", help="folder for samples.json and soak.png (default: soak-out)")
     args = p.parse_args(argv)
-    port, name = _free_port(), f"soak{os.getpid()}"
+    port, name = free_port(), f"soak{os.getpid()}"
     with tempfile.TemporaryDirectory(prefix="hkv-soak-disk-") as disk_dir:
-        proc = start_server(args.model, port, name, disk_dir)
+        proc = start(args.model, port, name, disk_dir)
         try:
             result = asyncio.run(soak(args, f"http://127.0.0.1:{port}", port, proc.pid, name, disk_dir))
         finally:

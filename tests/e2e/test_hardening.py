@@ -80,6 +80,17 @@ def _stream(url: str, body: dict, events: list, first: threading.Event) -> None:
     first.set()
 
 
+def _start_stream(server, prompt: str, max_tokens: int) -> tuple[list[str], threading.Thread]:
+    """A streamed greedy request in a thread; returns once its first event arrived."""
+    events: list[str] = []
+    first = threading.Event()
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    reader = threading.Thread(target=_stream, args=(f"{server.url}/v1/completions", body, events, first))
+    reader.start()
+    assert first.wait(30)
+    return events, reader
+
+
 def _rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
@@ -178,12 +189,7 @@ def test_garbage_on_router_in_is_dropped_and_counted(server):
 
 
 def test_a_stopped_rank_makes_ready_503(server):
-    events: list[str] = []
-    first = threading.Event()
-    body = {"prompt": "stop me", "max_tokens": 800, "ignore_eos": True}
-    reader = threading.Thread(target=_stream, args=(f"{server.url}/v1/completions", body, events, first))
-    reader.start()
-    assert first.wait(30)
+    events, reader = _start_stream(server, "stop me", 800)
     metrics = urllib.request.urlopen(f"{server.url}/metrics").read().decode()
     assert "hkv_engine_running_requests 1.0" in metrics  # live, no longer always 0
     rank = server.actor_pid("hkv.actors.rank")
@@ -207,15 +213,11 @@ def test_a_stopped_rank_makes_ready_503(server):
 def test_a_killed_router_ends_streams_with_an_error(tmp_path):
     server = launch(["--model", "tiny-dense"], tmp_path)
     pids = server.actor_pids()
-    events: list[str] = []
-    first = threading.Event()
-    body = {"prompt": "kill the router", "max_tokens": 3000, "ignore_eos": True}
-    reader = threading.Thread(target=_stream, args=(f"{server.url}/v1/completions", body, events, first))
-    reader.start()
+    events, reader = _start_stream(server, "kill the router", 3000)
     outcome = {}
+    body = {"prompt": "kill the router", "max_tokens": 3000, "ignore_eos": True}
     waiting = threading.Thread(target=lambda: outcome.update(answer=_post(f"{server.url}/v1/completions", body)))
     waiting.start()
-    assert first.wait(30)
     time.sleep(0.3)
     os.kill(server.actor_pid("hkv.actors.router"), signal.SIGKILL)
     reader.join(30)
@@ -233,12 +235,7 @@ def test_a_killed_launchers_actors_exit_fast_and_spare_a_new_instance(tmp_path):
     old = launch(["--model", "tiny-dense"], tmp_path)
     old_pids = old.actor_pids()
     api, router = old.actor_pid("hkv.actors.api"), old.actor_pid("hkv.actors.router")
-    events: list[str] = []
-    first = threading.Event()
-    body = {"prompt": "orphaned", "max_tokens": 3000, "ignore_eos": True}
-    reader = threading.Thread(target=_stream, args=(f"{old.url}/v1/completions", body, events, first))
-    reader.start()
-    assert first.wait(30)
+    events, reader = _start_stream(old, "orphaned", 3000)
     os.kill(router, signal.SIGSTOP)  # its cleanup will come late, after a new instance started
     old.proc.kill()
     old.proc.wait(10)
