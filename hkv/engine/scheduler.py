@@ -151,8 +151,7 @@ class Scheduler(Publishing):
         """Drop a sequence wherever it is; unknown or finished ids are ignored."""
         for seq in self.waiting:
             if seq.req_id == req_id:
-                self.waiting.remove(seq)
-                self._drop_tier(seq)
+                self._drop_waiting(seq)
                 self._finished.append(_delta(seq, [], "abort"))
                 return
         seq = self.running.get(req_id)
@@ -176,6 +175,14 @@ class Scheduler(Publishing):
     def in_flight(self) -> int:
         """Sent plans whose results are not in yet."""
         return len(self._sent)
+
+    def _drop_waiting(self, seq: Sequence) -> None:
+        """Take a waiting sequence out for good: its tier run goes, and a preempted one's
+        paused record in the coordinator is released (it would otherwise stay forever)."""
+        self.waiting.remove(seq)
+        self._drop_tier(seq)
+        if seq.req_id in self.coord.requests:
+            self.coord.release(seq.req_id)
 
     def _drop_tier(self, seq: Sequence) -> None:
         """Let go of the tier run a waiting sequence will not load."""
@@ -414,8 +421,7 @@ class Scheduler(Publishing):
         seq = self._next_ready()
         if seq is None:
             return
-        self.waiting.remove(seq)
-        self._drop_tier(seq)
+        self._drop_waiting(seq)
         reason = f"request needs more KV pages than the pool's {self.coord.spec.num_pages}"
         self._finished.append(_delta(seq, [], "error", reason))
 

@@ -244,6 +244,30 @@ def test_flush_after_everything_finished_frees_every_pool():
     assert free_pages(sched) == 32 and sched.coord.state_slots.free_count == 8
 
 
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_aborting_a_preempted_waiting_sequence_forgets_its_record(prefix_cache):
+    """A preempted sequence waits with a paused record; its abort releases it, so nothing stays behind."""
+    sched = make(num_pages=4, page_size=4, budget=64, max_running=2, prefix_cache=prefix_cache)
+    sched.add(req(1, 4, max_tokens=6))
+    sched.add(req(2, 3, max_tokens=6))
+    deltas = []
+    for _ in range(40):
+        deltas += step(sched)[1]
+        if sched.preemptions:
+            break
+    assert sched.preemptions == 1
+    (paused,) = [s.req_id for s in sched.waiting]
+    assert paused in sched.coord.requests
+    sched.abort(paused)
+    assert paused not in sched.coord.requests
+    sched.coord.check_integrity()
+    deltas += sched.take_finished() + run_to_end(sched)[1]
+    finishes = sorted((d.req_id, d.finish_reason) for d in deltas if d.finish_reason)
+    assert finishes == sorted([(1, "length"), (paused, "abort")])
+    assert not sched.coord.requests
+    assert free_pages(sched) + sched.coord.tree.evictable_pages == 4
+
+
 def test_preemption_with_prefix_cache_resumes_from_published_pages():
     sched = make(num_pages=6, page_size=4, budget=64, max_running=2, prefix_cache=True)
     sched.add(req(1, 8, max_tokens=8))
