@@ -514,6 +514,6 @@ class CacheCoordinator(CheckpointPlacement):
         check(self, allow_open_transaction)
 
     @property
-    def in_transaction(self) -> bool:
-        """True while a transaction is open (publish, pause, release and flush must wait)."""
-        return self._txn is not None
+    def open_transaction(self) -> Transaction | None:
+        """The transaction open now, if any (publish, pause, release and flush must wait for it)."""
+        return self._txn

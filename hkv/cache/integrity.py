@@ -35,7 +35,7 @@ class _Holders:
 
 
 def check(coord: "CacheCoordinator", allow_open_transaction: bool) -> None:
-    txn = coord._txn
+    txn = coord.open_transaction
     assert allow_open_transaction or txn is None, f"transaction open for request {txn and txn.req_id}"
     holders = _Holders()
     for req in coord.requests.values():
@@ -66,7 +66,7 @@ def _check_request(coord: "CacheCoordinator", req: "RequestState", holders: _Hol
     from hkv.cache.transaction import Phase
 
     name, P = f"request {req.req_id}", coord.spec.page_size
-    txn = coord._txn
+    txn = coord.open_transaction
     if req.phase is Phase.NEW:
         assert txn is not None and txn.req_id == req.req_id, f"{name} is NEW outside its first transaction"
     if req.phase is Phase.PAUSED and (txn is None or txn.req_id != req.req_id):

@@ -143,8 +143,6 @@ class RadixTree:
         """The dict key of an edge in its parent: its first page's token(s)."""
         return key[0] if self.page_size == 1 else key[: self.page_size]
 
-    # ---- lookup -------------------------------------------------------------------
-
     def match(self, tokens: tuple, limit: int) -> TreeMatch:
         """The longest cached prefix of tokens[:limit], page-aligned. Read-only.
 
@@ -194,8 +192,6 @@ class RadixTree:
             top.last_access = now
             top = top.parent
         self._push_leaf(node)
-
-    # ---- insertion ----------------------------------------------------------------
 
     def insert(self, tokens: tuple, pages: list[int], start: Node | None = None) -> TreeInsert:
         """Cache tokens (len(tokens) == len(pages) * page_size) backed by `pages`.
@@ -264,8 +260,6 @@ class RadixTree:
         assert leaf.in_tree and not leaf.children and leaf.lock_ref == 0 and leaf.checkpoint is None
         self._detach(leaf)
 
-    # ---- locks --------------------------------------------------------------------
-
     def lock(self, node: Node) -> None:
         """Pin the path root..node against eviction (one more holder)."""
         while node.parent is not None:
@@ -284,8 +278,6 @@ class RadixTree:
                 self.evictable_pages += len(node.pages)
             node = node.parent
         self._push_leaf(bottom)
-
-    # ---- page eviction ------------------------------------------------------------
 
     def _leaf_evictable(self, node: Node) -> bool:
         return node.in_tree and node.lock_ref == 0 and not node.children and node.parent is not None
@@ -347,8 +339,6 @@ class RadixTree:
             self._count_evictable(ckpt, +1)
             self._push_checkpoint(ckpt)
         self._push_leaf(node)
-
-    # ---- checkpoints --------------------------------------------------------------
 
     def _count_evictable(self, ckpt: Checkpoint, sign: int) -> None:
         if ckpt.holds == 0:
@@ -448,8 +438,6 @@ class RadixTree:
         self._clock += 1
         ckpt.last_access = self._clock
         self._push_checkpoint(ckpt)
-
-    # ---- walking ------------------------------------------------------------------
 
     def nodes(self) -> Iterator[Node]:
         """Every node below the root, parents before children (for checks and flush)."""

@@ -37,10 +37,6 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None  # [B] int64, live linear-state slot per sequence (hybrid)
     checkpoints: CheckpointMeta | None = None  # prefill: states kept inside chunks (in-chunk checkpoints)
 
-    @property
-    def num_seqs(self) -> int:
-        return self.meta.num_seqs
-
     @classmethod
     def from_lists(
         cls, input_ids, positions, q_lens, kv_lens, page_table, slot_mapping, logits_indices,
