@@ -82,15 +82,13 @@ def gated_delta_rule(
     checkpoints.tokens[i] tokens of sequence seq[i] is also written to slots[i].
     On CUDA: fla-core's chunk kernel when a sequence has > 1 token, inputs are bf16/fp16 (fla's
     fp32 path uses tf32 dots; fp32 serving is the exact parity mode), fla-core is installed and
-    no keep_slots are given (checkpoints go to fla_chunk's hook); hkv's recurrent kernel (gates
-    fused in) otherwise, with checkpoints as keep slots. Returns [T, Hv, Dv] in q's dtype.
+    no keep_slots are given (checkpoints go to fla_chunk's hook; the decay is computed inside fla's
+    chunk cumsum); hkv's recurrent kernel (gates fused in) otherwise, with checkpoints as keep slots. Returns [T, Hv, Dv] in q's dtype.
     """
-    from hkv_kernels.gdn.reference import gdn_gates_ref
-
     if checkpoints is not None and keep_slots is not None:
         raise ValueError("in-chunk checkpoints and keep_slots together")
     if not q.is_cuda:
-        from hkv_kernels.gdn.reference import gated_delta_rule_ref
+        from hkv_kernels.gdn.reference import gated_delta_rule_ref, gdn_gates_ref
 
         g, beta = gdn_gates_ref(a, b, *gate_params)
         return gated_delta_rule_ref(q, k, v, g, beta, state, meta.q_len.tolist(), slots.tolist(), keep_slots=keep_slots,
@@ -99,9 +97,9 @@ def gated_delta_rule(
     from hkv_kernels.gdn.triton_recurrent import gated_delta_rule_recurrent
 
     chunked = keep_slots is None and q.dtype != torch.float32 and meta.max_q_len > 1
-    if chunked and fla_available():
-        g, beta = gdn_gates_ref(a, b, *gate_params)
-        return gated_delta_rule_chunked(q, k, v, g, beta, state, slots, meta, checkpoints=checkpoints)
+    if chunked and fla_available():  # the gates go into fla's chunk cumsum (and one sigmoid)
+        return gated_delta_rule_chunked(q, k, v, a, b, state, slots, meta, checkpoints=checkpoints,
+                                        gate_params=gate_params)
     if checkpoints is not None:
         keep_slots = _checkpoint_keep_slots(slots, meta, checkpoints)
     return gated_delta_rule_recurrent(q, k, v, a, b, state, slots, meta, keep_slots=keep_slots, gate_params=gate_params)

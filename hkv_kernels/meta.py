@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hkv_kernels.gdn import GDN_CHUNK
+
 CONV_BLOCK_T = 16  # tokens per conv program (the conv kernel's BLOCK_T)
 _ALIGN = 2  # int64 elements per 16 bytes
 
@@ -86,6 +88,11 @@ class KernelMeta:
     cu_seqlens: torch.Tensor
     cu_seqlens_host: torch.Tensor
     max_q_len: int
+    # fla-core's varlen chunk metadata, made once per step with the rest (every fla kernel of every
+    # layer takes it instead of deriving it from cu_seqlens, which syncs): [NT, 2] (sequence,
+    # chunk within it) per 64-token chunk, and [B + 1] each sequence's first chunk
+    fla_chunk_indices: torch.Tensor | None = None
+    fla_chunk_offsets: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -188,11 +195,14 @@ def meta_arrays(q_lens: np.ndarray, kv_lens: np.ndarray, table_rows: np.ndarray,
     q_start = np.cumsum(q_lens) - q_lens
     attn_seq, attn_tok = ragged_blocks(q_lens, attn_block_t)
     conv_seq, conv_tok = ragged_blocks(q_lens, CONV_BLOCK_T)
+    fla_seq, fla_tok = ragged_blocks(q_lens, GDN_CHUNK)
     return {
         "q_start": q_start, "q_len": q_lens, "kv_len": kv_lens, "table_rows": table_rows,
         "attn_block_seq": attn_seq, "attn_block_tok": attn_tok,
         "conv_block_seq": conv_seq, "conv_block_tok": conv_tok,
         "cu_seqlens": np.concatenate(([0], np.cumsum(q_lens))),
+        "fla_chunk_indices": np.stack([fla_seq, fla_tok // GDN_CHUNK], 1).reshape(-1),
+        "fla_chunk_offsets": np.concatenate(([0], np.cumsum(-(-q_lens // GDN_CHUNK)))),
     }
 
 
@@ -206,6 +216,8 @@ def kernel_meta(views: dict[str, torch.Tensor], q_lens: np.ndarray, attn_tile: t
         attn_block_seq=views["attn_block_seq"], attn_block_tok=views["attn_block_tok"], attn_tile=attn_tile,
         attn_block_t=attn_block_t, conv_block_seq=views["conv_block_seq"], conv_block_tok=views["conv_block_tok"],
         cu_seqlens=views["cu_seqlens"], cu_seqlens_host=cu_host, max_q_len=int(q_lens.max(initial=0)),
+        fla_chunk_indices=views["fla_chunk_indices"].view(-1, 2) if "fla_chunk_indices" in views else None,
+        fla_chunk_offsets=views.get("fla_chunk_offsets"),
     )
 
 

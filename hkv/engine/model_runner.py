@@ -82,8 +82,11 @@ class ModelRunner:
         self.pages = DevicePageTable(layout.slots, layout.max_pages, self.device, scratch[0])
         seqs = layout.slots
         # every field of a step, worst case: 7 of up to max_tokens entries, the rest per sequence,
-        # and 4 per in-chunk checkpoint (at most one per GDN chunk of the step's tokens)
-        self.arena = StepArena(7 * max_tokens + 16 * (seqs + 2) + 4 * (max_tokens // GDN_CHUNK) + 520, self.device)
+        # 4 per in-chunk checkpoint (at most one per GDN chunk of the step's tokens) and fla's chunk
+        # metadata (2 per GDN chunk, each sequence's last one partial, and B + 1 offsets)
+        chunks = max_tokens // GDN_CHUNK + seqs
+        self.arena = StepArena(7 * max_tokens + 19 * (seqs + 2) + 4 * (max_tokens // GDN_CHUNK) + 2 * chunks + 520,
+                               self.device)
         if graph_max_bs > 0 and getattr(self.model, "graph_safe", True):
             self.graphs = DecodeGraphs(self.model, self.kv, self.state, self.pages, min(graph_max_bs, seqs),
                                        self.attn_dims, scratch[1], self.page_size)

@@ -82,7 +82,8 @@ def test_fla_chunk_matches_reference(dtype):
 @pytest.mark.skipif(HAS_CUDA and not fla_available(), reason="fla-core not installed")
 def test_fla_chunk_states_are_the_states_at_chunk_boundaries():
     """The per-chunk states fla's forward materializes are the recurrent states after 64, 128, ...
-    tokens (issue 12's in-chunk checkpoints), and the step-by-step forward is fla's own."""
+    tokens (issue 12's in-chunk checkpoints), and the kernel-by-kernel forward (chunk metadata
+    from the step's KernelMeta) is fla's own."""
     from hkv_kernels.gdn.fla_chunk import _chunked_with_states, chunk_states
 
     dtype = torch.bfloat16
@@ -93,12 +94,51 @@ def test_fla_chunk_states_are_the_states_at_chunk_boundaries():
     out, final, h = _chunked_with_states(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None],
                                          g.float().contiguous()[None], beta.contiguous()[None], initial,
                                          q.shape[-1] ** -0.5, meta)
-    ref_state = state.clone()
-    ref_out = gated_delta_rule_chunked(q, k, v, g, beta, ref_state, torch.tensor(slots, device="cuda"), meta)
-    assert rel_err(out[0], ref_out) < 1e-3 and rel_err(final, ref_state[slots]) < 1e-3
+    # fla's own entry point (autograd function, its chunk metadata derived from cu_seqlens)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    ref_out, ref_final = chunk_gated_delta_rule(
+        q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], g.float().contiguous()[None],
+        beta.contiguous()[None], scale=q.shape[-1] ** -0.5, initial_state=initial.clone(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=meta.cu_seqlens,
+    )
+    assert rel_err(out, ref_out) < 1e-3 and rel_err(final, ref_final) < 1e-3
     got = chunk_states(h, meta, [0, 0, 0, 1, 1], [64, 128, 192, 64, 128])
     for i, (b, t) in enumerate([(0, 64), (0, 128), (0, 192), (1, 64), (1, 128)]):
         start = sum(q_lens[:b])
         _, want = _ref(q[start : start + t], k[start : start + t], v[start : start + t], g[start : start + t],
                        beta[start : start + t], state, [t], [slots[b]])
         assert rel_err(got[i], want[slots[b]]) < 2e-2, (b, t)
+
+
+def test_step_metadata_carries_flas_chunk_indices():
+    """fla's varlen chunk metadata, made once per step on the host: (sequence, chunk) per 64-token
+    chunk and each sequence's first chunk (fla's prepare_chunk_indices / prepare_chunk_offsets)."""
+    meta = build_meta([3, 64, 130, 65], [3, 64, 130, 65], "cpu", 1, 64, torch.float32)
+    assert meta.fla_chunk_indices.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2], [3, 0], [3, 1]]
+    assert meta.fla_chunk_offsets.tolist() == [0, 1, 2, 5, 7]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.skipif(HAS_CUDA and not fla_available(), reason="fla-core not installed")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fla_chunk_with_raw_gates_matches_the_torch_gates(dtype):
+    """With (A_log, dt_bias) the chunked rule takes the raw a / b projections: the decay is made
+    inside fla's chunk cumsum, beta by torch's sigmoid, as gdn_gates_ref makes them."""
+    from hkv_kernels.gdn.reference import gdn_gates_ref
+
+    q_lens, slots = [300, 1, 64, 129], [3, 0, 5, 2]
+    q, k, v, _, _, state = _inputs("cuda", dtype, sum(q_lens), (4, 8, 128, 128), 6, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    a = torch.randn(sum(q_lens), 8, generator=gen).to("cuda", dtype)
+    b = torch.randn(sum(q_lens), 8, generator=gen).to("cuda", dtype)
+    a_log = torch.log(torch.empty(8).uniform_(1, 16, generator=gen)).to("cuda", dtype)
+    dt_bias = torch.randn(8, generator=gen).to("cuda", dtype)
+    g, beta = gdn_gates_ref(a, b, a_log, dt_bias)
+    meta = build_meta(q_lens, q_lens, "cuda", 1, 64, dtype)
+    ref_state = state.clone()
+    ref = gated_delta_rule_chunked(q, k, v, g, beta, ref_state, torch.tensor(slots, device="cuda"), meta)
+    out = gated_delta_rule_chunked(q, k, v, a, b, state, torch.tensor(slots, device="cuda"), meta,
+                                   gate_params=(a_log, dt_bias))
+    assert rel_err(out, ref) < 1e-2 and rel_err(state, ref_state) < 1e-2
