@@ -102,7 +102,7 @@ class DecodeRig:
         self.kv = KVPool(model.kv_layout(num_pages + 1, PAGE, "bfloat16", "cuda"), model.layer_map)
         self.state = StatePool(model.state_layout(max_bs + 1, device="cuda"))
         self.runner = ModelRunner(model, self.kv, self.state, self.table, PAGE, "cuda",
-                                  scratch=(num_pages, max_bs), max_tokens=max_bs * 2,
+                                  scratch=(num_pages, max_bs), max_tokens=max_bs * 130,
                                   graph_max_bs=max_bs if graphs else 0)
         self.capture_s = self.runner.capture_graphs()
         for s in range(max_bs):
@@ -117,13 +117,29 @@ class DecodeRig:
         self.step += 1
         return StepPlan(step=self.step, new=[], chunks=chunks, freed=[])
 
-    def time_steps(self, batch: int, iters: int) -> float:
-        """Median wall milliseconds of one whole decode step (metadata, forward, sampling)."""
+    def mixed(self, batch: int, prefill: int = 128) -> StepPlan:
+        """batch - 1 decoding sequences and one new prompt of `prefill` tokens (an eager step)."""
+        chunks = [Chunk(s, [17 + s], self.context, True) for s in range(batch - 1)]
+        chunks.append(Chunk(batch - 1, [(19 * i) % 1000 + 16 for i in range(prefill)], 0, True))
+        self.step += 1
+        return StepPlan(step=self.step, new=[], chunks=chunks, freed=[])
+
+    def questions(self, batch: int, prefill: int = 128) -> StepPlan:
+        """batch prompts that hit a cached prefix: `prefill` own tokens each after `context - prefill`
+        cached ones (the shared-prefix workload's second step)."""
+        start = self.context - prefill
+        chunks = [Chunk(s, [(7 * i + s) % 1000 + 16 for i in range(prefill)], start, True) for s in range(batch)]
+        self.step += 1
+        return StepPlan(step=self.step, new=[], chunks=chunks, freed=[])
+
+    def time_steps(self, batch: int, iters: int, kind: str = "decode") -> float:
+        """Median wall milliseconds of one whole step (metadata, forward, sampling) of `kind`."""
+        make = getattr(self, kind)
         for _ in range(5):
-            self.runner.execute(self.decode(batch))
+            self.runner.execute(make(batch))
         times = []
         for _ in range(iters):
-            plan = self.decode(batch)
+            plan = make(batch)
             torch.cuda.synchronize()
             start = time.perf_counter()
             result = self.runner.execute(plan)
@@ -133,15 +149,17 @@ class DecodeRig:
         return float(np.median(times))
 
 
-def profile_step(rig: DecodeRig, batch: int) -> dict:
-    """Kernels launched and GPU busy time within one decode step, against its wall time."""
+def profile_step(rig: DecodeRig, batch: int, kind: str = "decode") -> dict:
+    """Kernels launched and GPU busy time within one step of `kind`, against its wall time, and
+    the host operations that took the most time (self CPU time, profiler overhead included)."""
     from torch.profiler import ProfilerActivity, profile
 
-    rig.runner.execute(rig.decode(batch))
+    make = getattr(rig, kind)
+    rig.runner.execute(make(batch))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        rig.runner.execute(rig.decode(batch))
+        rig.runner.execute(make(batch))
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) * 1e3
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
@@ -150,8 +168,55 @@ def profile_step(rig: DecodeRig, batch: int) -> dict:
     top: dict[str, float] = {}
     for e in kernels:
         top[e.name[:60]] = top.get(e.name[:60], 0.0) + e.device_time / 1e3
+    host = [(e.key[:60], e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()]
+    import cProfile
+    import io
+    import pstats
+
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(3):
+        rig.runner.execute(make(batch))
+    cp.disable()
+    text = io.StringIO()
+    pstats.Stats(cp, stream=text).sort_stats("tottime").print_stats(25)
+    python_top = [line for line in text.getvalue().splitlines() if line.strip()][-26:]
     return {"kernels": len(kernels), "h2d_copies": memcpy_h2d, "gpu_busy_ms": busy, "wall_ms": wall,
-            "top": sorted(top.items(), key=lambda kv: -kv[1])[:12]}
+            "top": sorted(top.items(), key=lambda kv: -kv[1])[:12],
+            "host_top": sorted(host, key=lambda r: -r[1])[:15], "python_top_3_steps": python_top}
+
+
+GEMMS = {  # the benchmark model's projections (fused as on CUDA): name -> (in, out, per forward)
+    "attn_qkv": (2048, 9216, 6), "attn_o": (4096, 2048, 6), "gdn_in": (2048, 12352, 18), "gdn_out": (4096, 2048, 18),
+    "mlp_gate_up": (2048, 12288, 24), "mlp_down": (6144, 2048, 24), "lm_head": (2048, 151936, 1),
+}
+
+
+def bench_gemms(batches: list[int], bandwidth: float) -> list[dict]:
+    """Each projection's GEMM at M = batch, alone: milliseconds and fraction of copy bandwidth
+    for its weight bytes (what a decode step's GEMMs can reach)."""
+    rows = []
+    for name, (k, n, count) in GEMMS.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for b in batches:
+            x = torch.randn(b, k, device="cuda", dtype=torch.bfloat16)
+            for _ in range(5):
+                torch.nn.functional.linear(x, w)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                torch.nn.functional.linear(x, w)
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end) / 50
+            frac = w.numel() * 2 / (ms / 1e3) / (bandwidth / 2)  # weights are only read: half the copy's bytes
+            rows.append({"gemm": name, "k": k, "n": n, "batch": b, "ms": ms, "per_forward_ms": ms * count,
+                         "of_read_bandwidth": frac})
+            print(f"gemm {name:12} {k}x{n} M={b:<3} {ms * 1e3:7.1f} us  x{count:<2} = {ms * count:6.3f} ms  "
+                  f"{100 * frac:5.1f}% of read bandwidth", flush=True)
+        del w
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=576, help="tokens already in each sequence (default: 576)")
     parser.add_argument("--iters", type=int, default=50, help="timed steps per point (default: 50)")
     parser.add_argument("--profile", action="store_true", help="also profile one step per batch size")
+    parser.add_argument("--mixed", action="store_true",
+                        help="also time eager steps: decodes plus one 128-token prompt, and B prompts of 128 "
+                             "tokens after a cached prefix")
+    parser.add_argument("--gemm", action="store_true", help="also time each projection's GEMM alone")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -172,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; model {params / 1e9:.2f} B params",
           flush=True)
     out = {"copy_bandwidth": bw, "params": params, "context": args.context, "rows": []}
+    if args.gemm:
+        out["gemms"] = bench_gemms(batches, bw)
     with torch.inference_mode():
         for graphs in (True, False):
             rig = DecodeRig(model, max(batches), args.context, graphs)
@@ -189,6 +260,17 @@ def main(argv: list[str] | None = None) -> int:
                          f"{prof['gpu_busy_ms']:.2f} of {prof['wall_ms']:.2f} ms") if prof else ""
                 print(f"{'graphs' if graphs else 'eager '} B{b:<4} step {ms:7.3f} ms  roofline {roof:6.3f} ms  "
                       f"{100 * roof / ms:5.1f}%{extra}", flush=True)
+                if args.mixed and graphs:
+                    for kind in ("mixed", "questions"):
+                        ms = rig.time_steps(b, max(5, args.iters // 5), kind)
+                        row = {"graphs": graphs, "batch": b, "kind": kind, "step_ms": ms}
+                        if args.profile:
+                            row["profile"] = profile_step(rig, b, kind)
+                        out["rows"].append(row)
+                        prof = row.get("profile")
+                        extra = (f"; {prof['kernels']} kernels, GPU busy {prof['gpu_busy_ms']:.2f} of "
+                                 f"{prof['wall_ms']:.2f} ms") if prof else ""
+                        print(f"{kind:9} B{b:<4} step {ms:7.3f} ms{extra}", flush=True)
             del rig
             torch.cuda.empty_cache()
     if args.json:

@@ -356,7 +356,7 @@ def bench_sweep() -> None:
     q, kk, vv, g, beta, state = _gdn_inputs(64, 16, 32, 128, 128)
     slots = torch.randperm(128, device="cuda")[:64]
     meta = build_meta([1] * 64, [1] * 64, "cuda", 1, 64, torch.bfloat16)
-    for tile in [(bv, w) for bv in (16, 32, 64) for w in (1, 2, 4, 8)]:
+    for tile in [(bv, w) for bv in (16, 32, 64, 128) for w in (1, 2, 4, 8)]:
         ms = bench(lambda: gated_delta_rule_recurrent(q, kk, vv, g, beta, state, slots, meta, tile=tile))
         row(f"sweep_gdn_decode{tile}", "B64 Hk16 Hv32", ms, gbytes=2 * 64 * 32 * 128 * 128 * 4 / GB)
 

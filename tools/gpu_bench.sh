@@ -59,14 +59,16 @@ EOF
 }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
-if wants launch; then
+if wants launch || wants launch-only; then
+  tests=(tests/e2e/test_cuda_launch.py)
+  wants launch && tests+=(tests/kernels/test_chunk_checkpoints.py tests/kernels/test_gdn.py tests/kernels/test_dispatch.py)
   say "CUDA launch test (graphs, planning ahead, fp32 parity and bf16 logprobs against transformers); fla's in-chunk states"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=230 tests/e2e/test_cuda_launch.py \
-    tests/kernels/test_chunk_checkpoints.py \
-    2>&1 | tail -6 | tee -a "$LOG"
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
+    2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
 fi
 [[ -d $MODEL ]] || timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
-if wants i11 || wants i12; then
+wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
+if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
   start s_default --max-running-requests 64 "${MEM[@]}" && {
     if wants i11; then
@@ -76,8 +78,12 @@ if wants i11 || wants i12; then
         bench "i11_c$c" --workload random --input-len "$IN" --range-ratio 1 --output-len "$GEN" --num-prompts $n \
           --concurrency $c --warmup 2 "${extra[@]}"
       done
+    fi
+    if wants prefix; then
       bench i11_prefix_cache --workload shared-prefix --groups 1 --prompts-per-group 32 --system-len 2048 \
         --question-len 128 --output-len 32 --concurrency 32 --warmup 0
+      bench i11_steady_cache --workload shared-prefix --groups 16 --prompts-per-group 16 --system-len 2048 \
+        --question-len 128 --output-len 256 --concurrency 32 --warmup 2
     fi
     wants i12 && bench i12_default --workload random --input-len "$LONG" --range-ratio 1 --output-len 2 \
       --num-prompts 2 --concurrency 1 --warmup 1
@@ -85,8 +91,10 @@ if wants i11 || wants i12; then
   }
   say "server: --no-prefix-cache"
   start s_nocache --max-running-requests 64 --no-prefix-cache && {
-    wants i11 && bench i11_no_prefix_cache --workload shared-prefix --groups 1 --prompts-per-group 32 \
+    wants prefix && bench i11_no_prefix_cache --workload shared-prefix --groups 1 --prompts-per-group 32 \
       --system-len 2048 --question-len 128 --output-len 32 --concurrency 32 --warmup 0
+    wants prefix && bench i11_steady_nocache --workload shared-prefix --groups 16 --prompts-per-group 16 \
+      --system-len 2048 --question-len 128 --output-len 256 --concurrency 32 --warmup 2
     wants i12 && bench i12_nocache --workload random --input-len "$LONG" --range-ratio 1 --output-len 2 \
       --num-prompts 2 --concurrency 1 --warmup 1
     stop
@@ -119,7 +127,13 @@ if wants i13; then
 fi
 if wants decode; then
   say "in-process decode step"
-  timeout 200 python3 -m tools.bench_decode --profile --json "$OUT/decode.json" 2>&1 | grep -v Warning | tee -a "$LOG"
+  timeout 300 python3 -m tools.bench_decode --profile --mixed ${DECODE_FLAGS:-} --json "$OUT/decode.json" 2>&1 | grep -v Warning \
+    | tee -a "$LOG"
+fi
+if wants sweep; then
+  say "kernel tile sweeps"
+  timeout 200 python3 -m tools.bench_kernels --only sweep --json "$OUT/sweep.json" 2>&1 | grep -v Warning | tail -60 \
+    | tee -a "$LOG"
 fi
 stop
 exit 0
