@@ -99,7 +99,9 @@ class CacheConfig:
     prefix_cache: bool
     hybrid: bool  # the model has linear-attention layers (ModelSpec.hybrid)
     checkpoint_interval: int | None  # hybrid: tokens between checkpoints; None for dense models
-    state_slots: int  # hybrid: linear-state slots, live states and checkpoints together; 0 for dense
+    # hybrid: linear-state slots, live states and checkpoints together; 0 for dense; None: the
+    # rank sizes it from GPU memory (CUDA without --state-slots, hkv/engine/sizing.py)
+    state_slots: int | None
     cpu_cache_gb: float  # CPU tier (shm page pool) size; 0 = no tiers
     disk_cache_dir: str | None  # disk tier folder (absolute), None = no disk tier
     disk_cache_gb: float | None  # disk tier budget; set whenever disk_cache_dir is
@@ -278,7 +280,8 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
                         "--page-size and 64, the GDN chunk (default: 16 pages, rounded up to such a multiple)")
     g.add_argument("--state-slots", type=_positive_int, default=None,
                    help="hybrid models: linear-state slots for live states and checkpoints together "
-                        "(default: 3 x --max-running-requests on cpu, that + 64 on cuda)")
+                        "(default: 3 x --max-running-requests on cpu; on cuda --max-running-requests plus "
+                        "a quarter of the memory --gpu-memory-fraction leaves after the weights, in checkpoints)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="turn prefix reuse off: nothing is matched or kept (default: on)")
 
@@ -434,8 +437,9 @@ def _describe(path: str) -> ModelSpec:
 
 def _resolve_checkpoints(
     args: argparse.Namespace, hybrid: bool, max_running: int, on_cpu: bool
-) -> tuple[int | None, int]:
-    """(checkpoint interval, state slots) for the model; exits 2 on a bad combination."""
+) -> tuple[int | None, int | None]:
+    """(checkpoint interval, state slots) for the model, the slots None where the rank sizes them
+    from GPU memory; exits 2 on a bad combination."""
     if not hybrid:
         for flag, value in (("--checkpoint-interval", args.checkpoint_interval), ("--state-slots", args.state_slots)):
             if value is not None:
@@ -447,9 +451,10 @@ def _resolve_checkpoints(
     if interval % align:
         raise ConfigError(f"--checkpoint-interval ({interval}) must be a multiple of {align}, the least common "
                           f"multiple of --page-size ({args.page_size}) and the GDN chunk ({GDN_CHUNK} tokens)")
-    # A checkpoint of a real model is tens of MiB (docs/sizing.md): be frugal on GPUs.
-    slots = args.state_slots or (3 * max_running if on_cpu else max_running + 64)
-    if slots < max_running or (slots == max_running and not args.no_prefix_cache):
+    # A checkpoint of a real model is tens of MiB (docs/sizing.md): on a GPU the rank gives them a
+    # share of the memory (None here), so that many prefixes keep their deepest checkpoints.
+    slots = args.state_slots or (3 * max_running if on_cpu else None)
+    if slots is not None and (slots < max_running or (slots == max_running and not args.no_prefix_cache)):
         raise ConfigError(
             f"--state-slots ({slots}) must exceed --max-running-requests ({max_running}): "
             "each running request holds a live state slot and checkpoints need the rest"

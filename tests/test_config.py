@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -175,3 +176,18 @@ def test_bad_key_or_timeout_flags_exit_2(argv, fragment, capsys):
         parse_cli(["--device", "cpu", "--model", "tiny-dense", *argv])
     if fragment is not None:
         assert fragment in str(failure.value)
+
+
+def test_cuda_state_slots_are_left_to_the_rank_unless_given():
+    from hkv.config import _resolve_checkpoints
+
+    def resolve(on_cpu, **flags):
+        args = argparse.Namespace(**{"checkpoint_interval": None, "state_slots": None, "page_size": 16,
+                                     "no_prefix_cache": False, "model": "m", **flags})
+        return _resolve_checkpoints(args, True, 64, on_cpu)
+
+    assert resolve(False) == (256, None)  # sized from GPU memory by the rank
+    assert resolve(True) == (256, 192)  # CPU: 3 x running
+    assert resolve(False, state_slots=100) == (256, 100)
+    with pytest.raises(ConfigError, match="must exceed"):
+        resolve(False, state_slots=64)

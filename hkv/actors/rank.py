@@ -27,8 +27,9 @@ PLAN_SPIN_S = 0.002
 POLL_S = 20e-6  # between looks at the socket and the device while a step runs
 
 
-def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[ModelRunner, int]:
-    """Load the model, size and allocate its pools, capture decode graphs; (runner, usable KV pages)."""
+def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[ModelRunner, int, int]:
+    """Load the model, size and allocate its pools, capture decode graphs; (runner, usable KV pages,
+    usable state slots)."""
     import torch
 
     from hkv.models.loader import load_model
@@ -47,10 +48,18 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
     # on CUDA one more page and state slot than the router hands out: padded graph rows write there
     extra = 1 if on_cuda else 0
     slots = cfg.cache.state_slots
+    if slots is None:  # CUDA, hybrid, no --state-slots: a share of the memory
+        slots = sizing.state_slots_from_memory(cfg, model)
     state_layout = model.state_layout(slots + extra, device=cfg.model.device)
     state = StatePool(state_layout) if state_layout is not None else None
     if state is not None:
         log.info("state pool: %d slots, %.2f MiB each", slots, state_layout.bytes_per_slot / 2**20)
+    if on_cuda:  # compile and autotune the prefill kernels now, not in the first requests' TTFT
+        try:
+            log.info("prefill kernels warmed up in %.1f s", sizing.warm_up(model, cfg, state))
+        except Exception as exc:  # the first requests pay for the compiles instead; serving still works
+            log.warning("prefill warm-up failed (%s: %s); the first prefills will compile their kernels",
+                        type(exc).__name__, exc)
     pages = cfg.cache.num_pages
     if pages is None:
         pages = sizing.pages_from_memory(cfg, model, state)
@@ -66,7 +75,7 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
     if runner.graphs is not None:
         log.info("CUDA graphs: %d decode buckets up to batch %d in %.1f s", len(runner.graphs.graphs),
                  runner.graphs.max_bs, seconds)
-    return runner, pages
+    return runner, pages, slots
 
 
 def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
@@ -101,11 +110,11 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     outbox: DgramSender[RankOutbound] = DgramSender(cfg.ipc_address("router_results"), "router_results")
     host_region = None
     try:
-        runner, pages = await asyncio.to_thread(_build_runner, cfg, table)
+        runner, pages, slots = await asyncio.to_thread(_build_runner, cfg, table)
         if cfg.cache.tiers:
             host_region = _attach_host_pool(cfg, runner)
         inbox.start()
-        await outbox.send(RankReady(ctx.rank, pages))
+        await outbox.send(RankReady(ctx.rank, pages, slots))
         ctx.ready(rank=ctx.rank)
         await run_until_stopped(_step_loop(ctx, inbox, outbox, runner), ctx.stop)
     finally:

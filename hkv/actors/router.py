@@ -119,17 +119,23 @@ class Router:
 
     async def wait_for_ranks(self, count: int) -> None:
         """Wait for every rank's RankReady, then open the cache over the smallest KV pool."""
-        pages = []
+        pages, slots = [], []
         while len(pages) < count:
             msg = await self.results.get()
             if isinstance(msg, RankReady):
                 pages.append(msg.kv_pages)
-                log.info("rank %d ready with %d KV pages", msg.rank, msg.kv_pages)
-        self.open_cache(min(pages))
+                slots.append(msg.state_slots)
+                log.info("rank %d ready with %d KV pages, %d state slots", msg.rank, msg.kv_pages, msg.state_slots)
+        self.open_cache(min(pages), min(slots))
 
-    def open_cache(self, kv_pages: int) -> None:
-        """The coordinator, tier client and scheduler over a device pool of `kv_pages` pages."""
+    def open_cache(self, kv_pages: int, state_slots: int | None = None) -> None:
+        """The coordinator, tier client and scheduler over a device pool of `kv_pages` pages and
+        `state_slots` state slots (None: the configured count)."""
         cfg, c = self.cfg, self.cfg.cache
+        if c.state_slots is not None:
+            state_slots = c.state_slots
+        elif state_slots is None:
+            raise ValueError("the state pool is sized by the ranks: open the cache with their count")
         limits = SchedulerLimits(
             page_size=c.page_size,
             max_running=cfg.scheduler.max_running_requests,
@@ -140,7 +146,7 @@ class Router:
             checkpoint_interval=c.checkpoint_interval,
             tier_checkpoint_interval=c.tier_checkpoint_interval,
         )
-        spec = CacheSpec(c.page_size, kv_pages, c.state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
+        spec = CacheSpec(c.page_size, kv_pages, state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
         self.coord = CacheCoordinator(spec)
         if self.tier_layout is not None:
             layout, root = self.tier_layout

@@ -1,7 +1,13 @@
-"""How many KV pages fit on the GPU: what --gpu-memory-fraction leaves after weights, state
-slots, the activations of the largest step and the decode graphs.
+"""How many state slots and KV pages fit on the GPU: what --gpu-memory-fraction leaves after
+weights, state slots, the activations of the largest step and the decode graphs.
 
     fraction * total  [ weights | state slots | activations (measured) | graphs (reserve) | KV pages ... ]
+
+Without --state-slots a hybrid model's state pool holds one live slot per running request
+plus CHECKPOINT_SHARE of what the fraction leaves after the weights, in checkpoints: one
+checkpoint weighs as much as thousands of tokens of KV (docs/sizing.md), and a hybrid
+prefix hit needs its deepest checkpoint, so a pool of running + 64 slots let a few dozen
+shared prefixes evict each other's checkpoints while the KV pool sat mostly empty.
 
 The activation peak is measured: one eager forward of the step token budget over a
 throwaway pool, with the allocator's peak counter reset. The graphs' share is a
@@ -12,6 +18,7 @@ Explicit --max-total-tokens skips all of this.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -20,6 +27,26 @@ from hkv.models.batch import ForwardBatch
 
 log = logging.getLogger("hkv.rank")
 GRAPH_HEADROOM = 512 * 2**20  # bytes kept for graph pools beyond their logits buffers
+CHECKPOINT_SHARE = 0.25  # of the memory left after the weights, for checkpoint slots (no --state-slots)
+
+
+def checkpoint_slots(room: int, slot_bytes: int, max_running: int) -> int:
+    """State slots for `room` bytes left after the weights: the running requests' live slots plus
+    CHECKPOINT_SHARE of the room in checkpoints (at least 64 of them, as the old default had)."""
+    return max_running + max(64, int(CHECKPOINT_SHARE * max(room, 0)) // max(slot_bytes, 1))
+
+
+def state_slots_from_memory(cfg: HkvConfig, model) -> int:
+    """The state pool's slots when --state-slots was not given (CUDA, hybrid): see the module doc."""
+    dev = next(model.parameters()).device
+    total = torch.cuda.get_device_properties(dev).total_memory
+    room = int(cfg.cache.gpu_memory_fraction * total) - torch.cuda.memory_allocated(dev)
+    slot_bytes = model.state_layout(1, device="meta").bytes_per_slot
+    slots = checkpoint_slots(room, slot_bytes, cfg.scheduler.max_running_requests)
+    log.info("state pool sized from %.2f of %.1f GiB: %d slots (%d running + %d checkpoints) x %.1f MiB = %.1f GiB",
+             cfg.cache.gpu_memory_fraction, total / 2**30, slots, cfg.scheduler.max_running_requests,
+             slots - cfg.scheduler.max_running_requests, slot_bytes / 2**20, slots * slot_bytes / 2**30)
+    return slots
 
 
 def _activation_peak(model, cfg: HkvConfig, state) -> int:
@@ -72,3 +99,53 @@ def pages_from_memory(cfg: HkvConfig, model, state) -> int:
     if room < 2 * page_bytes:
         log.warning("the GPU has no room for a KV pool at --gpu-memory-fraction %.2f", cfg.cache.gpu_memory_fraction)
     return pages
+
+
+WARM_UP_LENS = (129, 64, 1)  # two prompts (the first ends in a partial GDN chunk) and a decode row
+
+
+def warm_up(model, cfg: HkvConfig, state) -> float:
+    """Eager steps over a throwaway KV pool so that Triton compiles, and fla-core autotunes, the
+    prefill kernels at start-up instead of inside the first requests' TTFT (on a fresh machine
+    the first shared-prefix wave waited 48 s for that): a mixed step of WARM_UP_LENS with an
+    in-chunk checkpoint (fla's varlen path), then one prompt alone (its fixed-length path).
+    Sequences use the scratch state slot, zeroed after. Returns the seconds it took."""
+    started = time.perf_counter()
+    scratch = state.num_slots - 1 if state is not None else None
+    try:
+        _warm_up_steps(model, cfg, state, scratch)
+    finally:
+        if state is not None:
+            state.zero_slot(scratch)
+    return time.perf_counter() - started
+
+
+def _warm_up_steps(model, cfg: HkvConfig, state, scratch: int | None) -> None:
+    from hkv.storage.kv_pool import KVPool
+
+    page_size = cfg.cache.page_size
+    group = model.cfg.num_attention_heads // model.cfg.num_key_value_heads
+    for lens, checkpoints in ((WARM_UP_LENS, ((0, 64, scratch),)), (WARM_UP_LENS[:1], ())):
+        rows = [-(-n // page_size) for n in lens]
+        layout = model.kv_layout(sum(rows), page_size, cfg.model.dtype, cfg.model.device)
+        kv = KVPool(layout, model.layer_map)
+        dev = kv.kv.device
+        first = [sum(rows[:i]) for i in range(len(lens))]
+        table = torch.tensor([[first[b] + min(p, rows[b] - 1) for p in range(max(rows))] for b in range(len(lens))],
+                             device=dev)
+        positions = [p for n in lens for p in range(n)]
+        slot_mapping = [(first[b] + p // page_size) * page_size + p % page_size for b, n in enumerate(lens)
+                        for p in range(n)]
+        ends = [sum(lens[: b + 1]) - 1 for b in range(len(lens))]
+        batch = ForwardBatch.from_lists(
+            input_ids=[0] * sum(lens), positions=positions, q_lens=list(lens), kv_lens=list(lens), page_table=table,
+            slot_mapping=slot_mapping, logits_indices=ends,
+            state_slots=[scratch] * len(lens) if state is not None else None,
+            attn_dims=(group, model.cfg.head_dim, kv.k.dtype), checkpoints=checkpoints if state is not None else (),
+        )
+        with torch.inference_mode():
+            model(batch, kv, state)
+        del kv, batch
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()

@@ -10,6 +10,7 @@ fail reports itself dead (item 3).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import os
 import shutil
@@ -48,10 +49,11 @@ class FakeRank:
     mode: str = "ok"
     release: asyncio.Event = field(default_factory=asyncio.Event)
     plans: list[StepPlan] = field(default_factory=list)
+    state_slots: int = 0  # what RankReady reports
 
     async def run(self) -> None:
         self.inbox.start()
-        await self.outbox.send(RankReady(0, 256))
+        await self.outbox.send(RankReady(0, 256, self.state_slots))
         while not isinstance(msg := await self.inbox.get(), Shutdown):
             self.plans.append(msg)
             if self.mode == "hold":
@@ -97,8 +99,10 @@ class Env:
 
 
 @contextlib.asynccontextmanager
-async def router(mode: str = "ok") -> AsyncIterator[Env]:
+async def router(mode: str = "ok", cache: dict | None = None, ready_slots: int = 0) -> AsyncIterator[Env]:
     cfg = make_cfg(create_run_dir("rt"), name=f"rt{os.getpid()}")
+    if cache:
+        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, **cache))
     inst = Instance(cfg)
     inst.create_regions()
     zctx = zmq.asyncio.Context()
@@ -106,7 +110,8 @@ async def router(mode: str = "ok") -> AsyncIterator[Env]:
     from_router: Receiver[Outbound] = Receiver(zctx, cfg.ipc_address("api_in"), Outbound, "api_in")
     from_router.start()
     rank = FakeRank(DgramReceiver(cfg.ipc_address("rank0_in"), RankInbound, "rank_in"),
-                    DgramSender(cfg.ipc_address("router_results"), "router_results"), mode)
+                    DgramSender(cfg.ipc_address("router_results"), "router_results"), mode,
+                    state_slots=ready_slots)
     raw = zctx.socket(zmq.PUSH)
     raw.connect(cfg.ipc_address("router_in"))
     region = ShmRegion.attach(cfg.server.name, stats.REGION, readonly=True)
@@ -203,3 +208,13 @@ async def test_an_engine_whose_steps_all_fail_reports_itself_dead():
         await env.generate(99, [TOKEN])
         assert "engine is dead" in (await env.finished(99))[99].error
         assert len(env.rank.plans) == failed  # a dead engine is sent nothing
+
+
+async def test_state_slots_sized_by_the_rank_are_what_the_coordinator_hands_out():
+    """CUDA without --state-slots: the rank sizes the state pool from memory and reports it."""
+    async with router(cache={"hybrid": True, "checkpoint_interval": 64, "state_slots": None}, ready_slots=40) as env:
+        assert env.stats.read()["state_slots_total"] == 40
+        await env.generate(1, [TOKEN] * 100, max_tokens=2)
+        assert (await env.finished(1))[1].finish_reason == "length"
+    async with router(cache={"hybrid": True, "checkpoint_interval": 64, "state_slots": 24}, ready_slots=24) as env:
+        assert env.stats.read()["state_slots_total"] == 24  # an explicit --state-slots is the count
