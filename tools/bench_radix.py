@@ -65,10 +65,10 @@ def workload(seed: int = 0) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 def _room(tree: RadixTree, pool: PagePool, need: int, slots: SlotPool | None = None) -> list[int]:
     """Allocate `need` pages, evicting LRU leaves (and their checkpoints) for room."""
     while pool.free_count < need:
-        node = tree.evict_leaf()
+        node, ckpt = tree.evict_leaf()
         pool.free(node.pages)
-        if node.checkpoint is not None:
-            slots.free([node.checkpoint.slot])
+        if ckpt is not None:
+            slots.free([ckpt.slot])
     return pool.allocate(need)
 
 

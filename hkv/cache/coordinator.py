@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 from hkv.cache.checkpoints import CheckpointPlacement
 from hkv.cache.errors import CapacityError, TransactionError
 from hkv.cache.pools import IdPool, PagePool, SlotPool
-from hkv.cache.radix import Checkpoint, Node, RadixTree
+from hkv.cache.radix import Checkpoint, Node, RadixTree, TreeEviction
 from hkv.cache.transaction import Hold, Phase, RequestState, Transaction
 from hkv.cache.types import (
     CacheOp, CacheSpec, CheckpointRef, Evicted, Hit, Published, RestoreCheckpoint,
@@ -201,13 +201,14 @@ class CacheCoordinator(CheckpointPlacement):
                 raise AssertionError("evictable_windows overstated")
 
     def _evict_leaf(self) -> bool:
-        node = self.tree.evict_leaf()
-        if node is None:
+        evicted = self.tree.evict_leaf()
+        if evicted is None:
             return False
-        self._log(lambda: self.tree.reattach(node))
+        node, ckpt = evicted
+        self._log(lambda: self.tree.reattach(node, ckpt))
         self._free(self.pages, node.pages)
-        if node.checkpoint is not None:
-            self._free_checkpoint_slots(node.checkpoint)
+        if ckpt is not None:
+            self._free_checkpoint_slots(ckpt)
         return True
 
     def _evict_checkpoint(self, with_window: bool) -> bool:
@@ -480,11 +481,11 @@ class CacheCoordinator(CheckpointPlacement):
         self._refuse_in_transaction("evict")
         freed_pages = freed_ckpts = 0
         while freed_pages < pages:
-            node = self.tree.evict_leaf()
-            if node is None:
+            evicted = self.tree.evict_leaf()
+            if evicted is None:
                 break
-            freed_pages += len(node.pages)
-            freed_ckpts += self._release_evicted(node)
+            freed_pages += len(evicted.node.pages)
+            freed_ckpts += self._release_evicted(evicted)
         while freed_ckpts < checkpoints and self._evict_checkpoint(False):
             freed_ckpts += 1
         return Evicted(freed_pages, freed_ckpts)
@@ -494,11 +495,11 @@ class CacheCoordinator(CheckpointPlacement):
         self._refuse_in_transaction("flush")
         return self.evict(pages=self.spec.num_pages + 1, checkpoints=self.spec.num_state_slots + 1)
 
-    def _release_evicted(self, node: Node) -> int:
-        self.pages.free(node.pages)
-        if node.checkpoint is None:
+    def _release_evicted(self, evicted: TreeEviction) -> int:
+        self.pages.free(evicted.node.pages)
+        if evicted.checkpoint is None:
             return 0
-        self._free_checkpoint_slots(node.checkpoint)
+        self._free_checkpoint_slots(evicted.checkpoint)
         return 1
 
     def check_integrity(self, allow_open_transaction: bool = False) -> None:

@@ -23,10 +23,14 @@ unheld ones, oldest last use first. Both orders live in heaps updated
 incrementally: an entry is pushed when its node or checkpoint becomes a
 candidate or changes rank, and stale entries are skipped on pop.
 
-The tree never touches pools: eviction detaches a node and hands it back;
-the caller frees its pages and checkpoint. Every mutation used inside a
-transaction has an exact inverse (`remove_leaf`, `reattach`,
-`detach_checkpoint`, `reattach_checkpoint`, lock/unlock, hold/unhold).
+The tree never touches pools: eviction detaches a node and hands it back
+with its checkpoint; the caller frees its pages and checkpoint. A detached
+node no longer points at its checkpoint (the checkpoint still points at the
+node, so a stale reference to it sees the node out of the tree): the pair
+would otherwise be a reference cycle, and every evicted prefix, its key's
+token ids included, would wait for a full collection of the cycle collector.
+Every mutation used inside a transaction has an exact inverse (`remove_leaf`,
+`reattach`, `detach_checkpoint`, `reattach_checkpoint`, lock/unlock, hold/unhold).
 Splits are refinements that keep every page and lock where it was, so they
 are never undone.
 """
@@ -71,7 +75,7 @@ class Node:
         self.depth: int = depth  # tokens from the root to the end of this edge
         self.lock_ref: int = 0  # requests locking this node or a descendant
         self.last_access: int = 0  # logical clock of the last match/insert through it
-        self.checkpoint: Checkpoint | None = None  # state after `depth` tokens
+        self.checkpoint: Checkpoint | None = None  # state after `depth` tokens; None once detached
         self.in_tree: bool = True  # False once evicted or removed
         self.node_id: int = node_id  # creation order; breaks ties in eviction order
         self.heap_seq: int | None = None  # seq of its live eviction-heap entry
@@ -90,6 +94,16 @@ class TreeMatch(NamedTuple):
     node: Node
     length: int
     checkpoint_node: Node | None
+
+
+class TreeEviction(NamedTuple):
+    """Result of `RadixTree.evict_leaf`: the detached leaf and the checkpoint it carried (or None).
+
+    The caller frees node.pages and the checkpoint's slots; `reattach(node, checkpoint)` undoes it.
+    """
+
+    node: Node
+    checkpoint: Checkpoint | None
 
 
 class TreeInsert(NamedTuple):
@@ -294,19 +308,21 @@ class RadixTree:
             self._leaf_heap = [e for e in heap if e[3] == e[4].heap_seq and self._leaf_evictable(e[4])]
             heapify(self._leaf_heap)
 
-    def evict_leaf(self) -> Node | None:
-        """Detach the first leaf in eviction order and return it, or None if none is evictable.
+    def evict_leaf(self) -> TreeEviction | None:
+        """Detach the first leaf in eviction order and return it with its checkpoint, or None if
+        none is evictable.
 
-        The caller frees node.pages and, if set, node.checkpoint's slots.
-        The node keeps its fields so `reattach` can undo this exactly.
+        The caller frees node.pages and, if there is one, the checkpoint's slots. The node keeps
+        its other fields so `reattach` can undo this exactly.
         """
         heap = self._leaf_heap
         while heap:
             entry = heappop(heap)
             node = entry[4]
             if entry[3] == node.heap_seq and self._leaf_evictable(node):
+                ckpt = node.checkpoint
                 self._detach(node)
-                return node
+                return TreeEviction(node, ckpt)
         return None
 
     def _detach(self, node: Node) -> None:
@@ -321,15 +337,19 @@ class RadixTree:
         if ckpt is not None:
             self.num_checkpoints -= 1
             self._count_evictable(ckpt, -1)
+            node.checkpoint = None  # no node <-> checkpoint cycle outside the tree (module docstring)
         self._push_leaf(parent)
 
-    def reattach(self, node: Node) -> None:
-        """Undo `evict_leaf` (the latest change to node's parent): put node back as it was."""
+    def reattach(self, node: Node, checkpoint: Checkpoint | None) -> None:
+        """Undo `evict_leaf` (the latest change to node's parent): put node back as it was,
+        carrying the checkpoint the eviction returned."""
         parent = node.parent
         key = self._child_key(node.key)
         assert parent.in_tree and key not in parent.children, "reattach out of order"
+        assert checkpoint is None or checkpoint.node is node, "reattach with another node's checkpoint"
         parent.children[key] = node
         node.in_tree = True
+        node.checkpoint = checkpoint
         self.num_nodes += 1
         self.cached_pages += len(node.pages)
         self.evictable_pages += len(node.pages)

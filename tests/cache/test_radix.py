@@ -13,8 +13,8 @@ def insert(tree: RadixTree, tokens, pages):
 
 def evict_all(tree: RadixTree) -> list[tuple[int, ...]]:
     order = []
-    while (node := tree.evict_leaf()) is not None:
-        order.append(node.pages)
+    while (evicted := tree.evict_leaf()) is not None:
+        order.append(evicted.node.pages)
     return order
 
 
@@ -95,7 +95,7 @@ def test_locked_paths_are_never_evicted():
     b = insert(tree, [1, 3], [0, 2]).node
     tree.lock(a)
     assert tree.evictable_pages == 1  # only b's page; a and the shared [1] are pinned
-    assert tree.evict_leaf() is b
+    assert tree.evict_leaf() == (b, None)
     assert tree.evict_leaf() is None
     tree.unlock(a)
     assert evict_all(tree) == [(1,), (0,)]
@@ -106,11 +106,11 @@ def test_reattach_undoes_an_eviction_exactly():
     insert(tree, [1, 2], [0, 1])
     insert(tree, [1, 3], [0, 2])
     before = tree.dump()
-    node = tree.evict_leaf()
-    assert tree.dump() != before
-    tree.reattach(node)
+    node, ckpt = tree.evict_leaf()
+    assert tree.dump() != before and ckpt is None
+    tree.reattach(node, ckpt)
     assert tree.dump() == before
-    assert tree.evict_leaf() is node  # it keeps its place in the eviction order
+    assert tree.evict_leaf().node is node  # it keeps its place in the eviction order
 
 
 def test_hybrid_pages_without_a_checkpoint_go_first():
@@ -118,7 +118,7 @@ def test_hybrid_pages_without_a_checkpoint_go_first():
     old = insert(tree, [1, 1], [0, 1]).node
     tree.attach_checkpoint(old, slot=0, window=None)
     insert(tree, [2, 2], [2, 3])  # newer, but useless to a hybrid model
-    assert [n.pages for n in (tree.evict_leaf(), tree.evict_leaf())] == [(2, 3), (0, 1)]
+    assert [e.node.pages for e in (tree.evict_leaf(), tree.evict_leaf())] == [(2, 3), (0, 1)]
 
 
 def test_a_chain_is_shortened_from_its_deep_end_pages_beyond_its_deepest_checkpoint_first():
@@ -170,10 +170,13 @@ def test_evicting_a_leaf_takes_its_checkpoint_with_it():
     tree = RadixTree(page_size=1)
     leaf = insert(tree, [4], [0]).node
     ckpt = tree.attach_checkpoint(leaf, slot=2, window=None)
-    assert tree.evict_leaf() is leaf and leaf.checkpoint is ckpt
+    assert tree.evict_leaf() == (leaf, ckpt)
+    # the leaf lets go of it (no cycle outside the tree); the checkpoint still names its node
+    assert leaf.checkpoint is None and ckpt.node is leaf
     assert tree.num_checkpoints == 0 and tree.evictable_checkpoints == 0
     assert tree.evict_checkpoint(with_window=False) is None
-    tree.reattach(leaf)
+    tree.reattach(leaf, ckpt)
+    assert leaf.checkpoint is ckpt
     assert tree.num_checkpoints == 1 and tree.evict_checkpoint(with_window=False) is ckpt
 
 
