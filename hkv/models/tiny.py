@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 BUILTIN_VERSION = "v1"
+# where the trained built-in model ships (tools/train_tiny.py writes it)
+SHIPPED_DIR = Path(__file__).with_name("builtin") / "tiny-hybrid"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
 TOKENIZER_VOCAB = 1536  # BPE target size, special tokens included
@@ -114,8 +117,11 @@ Emoji: 😀 😂 🎉 🚀 ❤️ 👍 🐍 🦊 🌍 ✨ — “quotes”, ‘s
 """
 
 
-def build_tokenizer() -> Tokenizer:
-    """A Qwen2-style byte-level BPE trained on CORPUS; the same merges on every run."""
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 1) -> Tokenizer:
+    """A Qwen2-style byte-level BPE (NFC, Qwen2's split, byte fallback alphabet) trained on `texts`.
+
+    The special tokens come first (ids 0, 1, 2); the same texts give the same merges on every run.
+    """
     tok = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -126,18 +132,23 @@ def build_tokenizer() -> Tokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        min_frequency=1,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
         show_progress=False,
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    # three passes weight the corpus without changing which pairs exist
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True) * 3, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 
-def _tokenizer_config(tok: Tokenizer) -> dict:
+def build_tokenizer() -> Tokenizer:
+    """The random built-ins' tokenizer: the BPE trained on CORPUS; the same merges on every run."""
+    # three passes weight the corpus without changing which pairs exist
+    return train_bpe(CORPUS.splitlines(keepends=True) * 3, TOKENIZER_VOCAB)
+
+
+def tokenizer_config(tok: Tokenizer) -> dict:
     added = {
         str(tok.token_to_id(t)): {
             "content": t,
@@ -358,7 +369,7 @@ def write_builtin(name: str, folder: Path) -> None:
     eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
     config = make_config(tok.get_vocab_size(with_added_tokens=True), eot, im_end)
     tok.save(str(folder / "tokenizer.json"), pretty=True)
-    _write_json(folder / "tokenizer_config.json", _tokenizer_config(tok))
+    _write_json(folder / "tokenizer_config.json", tokenizer_config(tok))
     _write_json(folder / "config.json", config)
     generation = {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot}
     _write_json(folder / "generation_config.json", generation)
