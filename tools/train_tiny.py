@@ -181,20 +181,24 @@ def build_model(config: dict, seed: int):
 
 
 class WindowSampler:
-    """Random windows [B, T + 2] of a token stream on the device, from a seeded CPU generator."""
+    """Random windows [B, T + 2] of a token stream on the device, from a seeded CPU generator.
 
-    def __init__(self, stream: torch.Tensor, batch: int, length: int, seed: int, device: str) -> None:
+    Every step's window starts are drawn up front and moved once, so a step never
+    copies from the host (a pageable copy would wait for the GPU's queue to drain).
+    """
+
+    def __init__(self, stream: torch.Tensor, batch: int, length: int, steps: int, seed: int, device: str) -> None:
         if stream.numel() < length + 2:
             raise SystemExit(f"train_tiny: {stream.numel()} tokens are too few for windows of {length} + 2")
         self.stream = stream.to(device)
-        self.batch = batch
-        self.gen = torch.Generator().manual_seed(seed)
         self.offsets = torch.arange(length + 2, device=device)
+        last_start = stream.numel() - self.offsets.numel()
+        gen = torch.Generator().manual_seed(seed)
+        self.starts = torch.randint(0, last_start + 1, (steps, batch, 1), generator=gen).to(device)
 
-    def next(self) -> torch.Tensor:
-        last_start = self.stream.numel() - self.offsets.numel()
-        starts = torch.randint(0, last_start + 1, (self.batch, 1), generator=self.gen)
-        return self.stream[starts.to(self.offsets.device) + self.offsets]
+    def window(self, step: int) -> torch.Tensor:
+        """The windows of step `step` (0-based)."""
+        return self.stream[self.starts[step] + self.offsets]
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -245,7 +249,7 @@ def train(model, mtp, sampler: WindowSampler, val_windows: torch.Tensor, args: a
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         with _autocast(device):
-            out = window_forward(model, mtp, sampler.next())
+            out = window_forward(model, mtp, sampler.window(step))
             loss, mtp_loss = out.nll.mean(), out.mtp_nll.mean()
             total = loss + args.mtp_weight * mtp_loss
         loss, mtp_loss = loss.detach(), mtp_loss.detach()
@@ -354,7 +358,9 @@ def save_folder(out: Path, config: dict, tok, model, mtp, info: dict, curve: Cur
     size = sum(p.stat().st_size for p in tmp.iterdir())
     if size >= MAX_FOLDER_BYTES:
         print(f"warning: the folder holds {size:,} bytes, over the {MAX_FOLDER_BYTES:,} the repository allows")
-    os.chmod(tmp, 0o755)
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 and safetensors' 0600 would keep other users from serving it
+    for path in tmp.iterdir():
+        os.chmod(path, 0o644)
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
         os.rename(out, old)
@@ -383,7 +389,7 @@ def run_training(args: argparse.Namespace) -> None:
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, MTP "
           f"{sum(p.numel() for p in mtp.parameters()) / 1e6:.2f} M; {args.steps} steps of {args.batch} x {args.seq} "
           f"tokens on {device}", flush=True)
-    sampler = WindowSampler(stream, args.batch, args.seq, args.seed, device)
+    sampler = WindowSampler(stream, args.batch, args.seq, args.steps, args.seed, device)
     curve, ended = train(model, mtp, sampler, val_windows(held_out, args.val_windows, args.seq, device), args, device)
     info = train_info(args, summary, stream, device, curve, ended)
     save_folder(args.out, config, tok, model.cpu(), mtp.cpu(), info, curve)
