@@ -1,12 +1,16 @@
-"""Built-in tiny checkpoints: deterministic random-weight HF folders with a small real tokenizer.
+"""Built-in tiny checkpoints: the shipped trained model and deterministic random-weight HF folders.
 
-    tiny-dense   qwen3 (Qwen3ForCausalLM), tied embeddings
-    tiny-hybrid  qwen3_5_text (Qwen3_5ForCausalLM): Gated DeltaNet + gated attention layers, MTP head
+    tiny-hybrid         the default: qwen3_5_text (Gated DeltaNet + gated attention, one MTP layer)
+                        trained on the Python standard library by tools/train_tiny.py; its folder
+                        ships inside the package (SHIPPED_DIR, docs/builtin_model.md)
+    tiny-hybrid-random  qwen3_5_text (Qwen3_5ForCausalLM), random weights, MTP head: the tests' hybrid
+    tiny-dense          qwen3 (Qwen3ForCausalLM), random weights, tied embeddings: the tests' dense model
 
-Every tensor comes from its own torch.Generator seeded by a hash of the model
-and tensor name, so the same bytes come out on every machine (no transformers
-init involved) and adding a tensor never changes the others. The tokenizer is
-a byte-level BPE trained by `tokenizers` on the fixed corpus below. A folder is
+The random folders are written on first use under the cache folder. Every
+tensor comes from its own torch.Generator seeded by a hash of the model and
+tensor name, so the same bytes come out on every machine (no transformers init
+involved) and adding a tensor never changes the others. Their tokenizer is a
+byte-level BPE trained by `tokenizers` on the fixed corpus below. A folder is
 written under a temporary name and renamed into place, so concurrent first
 uses never see half a checkpoint.
 """
@@ -329,6 +333,7 @@ def _gdn_layer(make: _TensorMaker, p: str, cfg: dict) -> None:
 
 def _hybrid_tensors(cfg: dict) -> dict[str, torch.Tensor]:
     """Qwen3.5 text weights plus one MTP layer (mtp.*, ignored by transformers, used for drafting)."""
+    # seeded by its name before the trained model took it, so its bytes stay the same
     make = _TensorMaker("tiny-hybrid")
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     make.normal("model.embed_tokens.weight", (cfg["vocab_size"], h))
@@ -355,7 +360,12 @@ def _hybrid_tensors(cfg: dict) -> dict[str, torch.Tensor]:
     return make.tensors
 
 
-_BUILDERS = {"tiny-dense": (_dense_config, _dense_tensors), "tiny-hybrid": (_hybrid_config, _hybrid_tensors)}
+_BUILDERS = {
+    "tiny-dense": (_dense_config, _dense_tensors),
+    "tiny-hybrid-random": (_hybrid_config, _hybrid_tensors),
+}
+_SHIPPED = {"tiny-hybrid": SHIPPED_DIR}
+BUILTIN_NAMES = tuple(_SHIPPED) + tuple(_BUILDERS)
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -377,14 +387,16 @@ def write_builtin(name: str, folder: Path) -> None:
 
 
 def ensure_builtin(name: str, cache_dir: Path) -> Path:
-    """The folder of built-in model `name` ("tiny-dense" | "tiny-hybrid") under cache_dir, written on first use.
+    """The folder of random built-in `name` ("tiny-dense" | "tiny-hybrid-random") under cache_dir,
+    written on first use.
 
     Reuses `cache_dir/<name>-v1` when present. Otherwise writes a temporary sibling
     folder and renames it into place; a concurrent writer that wins the rename is
     reused and our copy deleted.
     """
     if name not in _BUILDERS:
-        raise ValueError(f"unknown built-in model {name!r}; built-ins: {', '.join(sorted(_BUILDERS))}")
+        known = ", ".join(sorted(_BUILDERS))
+        raise ValueError(f"unknown random built-in model {name!r}; random built-ins: {known}")
     cache_dir = Path(cache_dir)
     final = cache_dir / f"{name}-{BUILTIN_VERSION}"
     if (final / "config.json").is_file():
@@ -402,3 +414,13 @@ def ensure_builtin(name: str, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def builtin_folder(name: str, cache_dir: Path) -> Path:
+    """The checkpoint folder of any built-in model: the shipped one, or a random one written on first use."""
+    if name in _SHIPPED:
+        folder = _SHIPPED[name]
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"built-in model {name}: {folder} is missing from this install")
+        return folder
+    return ensure_builtin(name, cache_dir)
