@@ -393,7 +393,8 @@ def run_training(args: argparse.Namespace) -> None:
     curve, ended = train(model, mtp, sampler, val_windows(held_out, args.val_windows, args.seq, device), args, device)
     info = train_info(args, summary, stream, device, curve, ended)
     save_folder(args.out, config, tok, model.cpu(), mtp.cpu(), info, curve)
-    print(f"done in {_clock(time.monotonic() - t0)}; evaluate with: python -m tools.train_tiny --eval --model {args.out}")
+    print(f"done in {_clock(time.monotonic() - t0)}; evaluate with: "
+          f"python -m tools.train_tiny --eval --model {args.out}")
 
 
 def train_info(args, summary: dict, stream: torch.Tensor, device: str, curve: Curve, ended: dict) -> dict:
