@@ -25,7 +25,8 @@ import msgspec
 from hkv.ipc.rundir import create_run_dir
 from hkv_kernels.gdn import GDN_CHUNK
 
-BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense")
+# tiny-hybrid: trained, shipped in the package; the others: random weights for tests (hkv/models/tiny.py)
+BUILTIN_MODELS = ("tiny-hybrid", "tiny-dense", "tiny-hybrid-random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LAYER_KINDS = ("full", "linear")  # full attention (KV pages) or linear attention (state slots)
 
@@ -258,7 +259,8 @@ PENDING = "Not implemented yet: giving it exits 2."
 def _model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny-hybrid",
-                   help="an HF checkpoint folder, or a built-in model: tiny-hybrid, tiny-dense (default: tiny-hybrid)")
+                   help="an HF checkpoint folder, or a built-in model: tiny-hybrid (trained on Python's standard "
+                        "library), tiny-dense or tiny-hybrid-random (random weights, for tests) (default: tiny-hybrid)")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the ranks run (default: cuda when a CUDA device is visible, else cpu)")
     g.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -527,9 +529,12 @@ def _cpu_threads() -> int:
 
 def _resolve_model_path(model: str, cache_dir: str) -> str:
     if model in BUILTIN_MODELS:
-        from hkv.models.tiny import ensure_builtin
+        from hkv.models.tiny import builtin_folder
 
-        return str(ensure_builtin(model, Path(cache_dir)))
+        try:
+            return str(builtin_folder(model, Path(cache_dir)))
+        except FileNotFoundError as exc:  # an install without the shipped folder
+            raise ConfigError(str(exc)) from None
     return str(Path(model).resolve())
 
 

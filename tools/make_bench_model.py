@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from hkv.models.tiny import ENDOFTEXT, IM_END, _tokenizer_config, build_tokenizer
+from hkv.models.tiny import ENDOFTEXT, IM_END, build_tokenizer, tokenizer_config
 
 FULL_ATTENTION_INTERVAL = 4
 DEFAULTS = dict(layers=24, hidden_size=2048, intermediate_size=6144, vocab_size=151_936)
@@ -208,7 +208,7 @@ def write_bench_model(out_dir: Path, seed: int = 0, shard_gb: float = 2.0, progr
         raise ValueError(f"vocab_size {config['vocab_size']} is below the tokenizer's "
                          f"{tok.get_vocab_size(with_added_tokens=True)} tokens")
     tok.save(str(out_dir / "tokenizer.json"), pretty=True)
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tok))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(tok))
     _write_json(out_dir / "generation_config.json",
                 {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot})
     _write_json(out_dir / "config.json", config)

@@ -1,12 +1,16 @@
-"""Built-in tiny checkpoints: deterministic random-weight HF folders with a small real tokenizer.
+"""Built-in tiny checkpoints: the shipped trained model and deterministic random-weight HF folders.
 
-    tiny-dense   qwen3 (Qwen3ForCausalLM), tied embeddings
-    tiny-hybrid  qwen3_5_text (Qwen3_5ForCausalLM): Gated DeltaNet + gated attention layers, MTP head
+    tiny-hybrid         the default: qwen3_5_text (Gated DeltaNet + gated attention, one MTP layer)
+                        trained on the Python standard library by tools/train_tiny.py; its folder
+                        ships inside the package (SHIPPED_DIR, docs/builtin_model.md)
+    tiny-hybrid-random  qwen3_5_text (Qwen3_5ForCausalLM), random weights, MTP head: the tests' hybrid
+    tiny-dense          qwen3 (Qwen3ForCausalLM), random weights, tied embeddings: the tests' dense model
 
-Every tensor comes from its own torch.Generator seeded by a hash of the model
-and tensor name, so the same bytes come out on every machine (no transformers
-init involved) and adding a tensor never changes the others. The tokenizer is
-a byte-level BPE trained by `tokenizers` on the fixed corpus below. A folder is
+The random folders are written on first use under the cache folder. Every
+tensor comes from its own torch.Generator seeded by a hash of the model and
+tensor name, so the same bytes come out on every machine (no transformers init
+involved) and adding a tensor never changes the others. Their tokenizer is a
+byte-level BPE trained by `tokenizers` on the fixed corpus below. A folder is
 written under a temporary name and renamed into place, so concurrent first
 uses never see half a checkpoint.
 """
@@ -19,6 +23,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -28,6 +33,8 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 BUILTIN_VERSION = "v1"
+# where the trained built-in model ships (tools/train_tiny.py writes it)
+SHIPPED_DIR = Path(__file__).with_name("builtin") / "tiny-hybrid"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
 TOKENIZER_VOCAB = 1536  # BPE target size, special tokens included
@@ -114,8 +121,11 @@ Emoji: 😀 😂 🎉 🚀 ❤️ 👍 🐍 🦊 🌍 ✨ — “quotes”, ‘s
 """
 
 
-def build_tokenizer() -> Tokenizer:
-    """A Qwen2-style byte-level BPE trained on CORPUS; the same merges on every run."""
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 1) -> Tokenizer:
+    """A Qwen2-style byte-level BPE (NFC, Qwen2's split, byte fallback alphabet) trained on `texts`.
+
+    The special tokens come first (ids 0, 1, 2); the same texts give the same merges on every run.
+    """
     tok = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -126,18 +136,23 @@ def build_tokenizer() -> Tokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        min_frequency=1,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
         show_progress=False,
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    # three passes weight the corpus without changing which pairs exist
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True) * 3, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 
-def _tokenizer_config(tok: Tokenizer) -> dict:
+def build_tokenizer() -> Tokenizer:
+    """The random built-ins' tokenizer: the BPE trained on CORPUS; the same merges on every run."""
+    # three passes weight the corpus without changing which pairs exist
+    return train_bpe(CORPUS.splitlines(keepends=True) * 3, TOKENIZER_VOCAB)
+
+
+def tokenizer_config(tok: Tokenizer) -> dict:
     added = {
         str(tok.token_to_id(t)): {
             "content": t,
@@ -318,6 +333,7 @@ def _gdn_layer(make: _TensorMaker, p: str, cfg: dict) -> None:
 
 def _hybrid_tensors(cfg: dict) -> dict[str, torch.Tensor]:
     """Qwen3.5 text weights plus one MTP layer (mtp.*, ignored by transformers, used for drafting)."""
+    # seeded by its name before the trained model took it, so its bytes stay the same
     make = _TensorMaker("tiny-hybrid")
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     make.normal("model.embed_tokens.weight", (cfg["vocab_size"], h))
@@ -344,7 +360,12 @@ def _hybrid_tensors(cfg: dict) -> dict[str, torch.Tensor]:
     return make.tensors
 
 
-_BUILDERS = {"tiny-dense": (_dense_config, _dense_tensors), "tiny-hybrid": (_hybrid_config, _hybrid_tensors)}
+_BUILDERS = {
+    "tiny-dense": (_dense_config, _dense_tensors),
+    "tiny-hybrid-random": (_hybrid_config, _hybrid_tensors),
+}
+_SHIPPED = {"tiny-hybrid": SHIPPED_DIR}
+BUILTIN_NAMES = tuple(_SHIPPED) + tuple(_BUILDERS)
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -358,7 +379,7 @@ def write_builtin(name: str, folder: Path) -> None:
     eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
     config = make_config(tok.get_vocab_size(with_added_tokens=True), eot, im_end)
     tok.save(str(folder / "tokenizer.json"), pretty=True)
-    _write_json(folder / "tokenizer_config.json", _tokenizer_config(tok))
+    _write_json(folder / "tokenizer_config.json", tokenizer_config(tok))
     _write_json(folder / "config.json", config)
     generation = {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot}
     _write_json(folder / "generation_config.json", generation)
@@ -366,14 +387,16 @@ def write_builtin(name: str, folder: Path) -> None:
 
 
 def ensure_builtin(name: str, cache_dir: Path) -> Path:
-    """The folder of built-in model `name` ("tiny-dense" | "tiny-hybrid") under cache_dir, written on first use.
+    """The folder of random built-in `name` ("tiny-dense" | "tiny-hybrid-random") under cache_dir,
+    written on first use.
 
     Reuses `cache_dir/<name>-v1` when present. Otherwise writes a temporary sibling
     folder and renames it into place; a concurrent writer that wins the rename is
     reused and our copy deleted.
     """
     if name not in _BUILDERS:
-        raise ValueError(f"unknown built-in model {name!r}; built-ins: {', '.join(sorted(_BUILDERS))}")
+        known = ", ".join(sorted(_BUILDERS))
+        raise ValueError(f"unknown random built-in model {name!r}; random built-ins: {known}")
     cache_dir = Path(cache_dir)
     final = cache_dir / f"{name}-{BUILTIN_VERSION}"
     if (final / "config.json").is_file():
@@ -391,3 +414,13 @@ def ensure_builtin(name: str, cache_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def builtin_folder(name: str, cache_dir: Path) -> Path:
+    """The checkpoint folder of any built-in model: the shipped one, or a random one written on first use."""
+    if name in _SHIPPED:
+        folder = _SHIPPED[name]
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"built-in model {name}: {folder} is missing from this install")
+        return folder
+    return ensure_builtin(name, cache_dir)

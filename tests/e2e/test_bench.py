@@ -1,4 +1,4 @@
-"""Issue 11: `hkv-bench --small` against a real CPU server on tiny-hybrid reports every metric, sanely.
+"""Issue 11: `hkv-bench --small` against a real CPU server on tiny-hybrid-random reports every metric, sanely.
 
 The bench runs as a real subprocess: the console script beside this Python,
 or `python -m tools.hkv_bench` where the editable install predates the entry point.
@@ -29,8 +29,8 @@ def _bench_command() -> list[str]:
 
 
 def _run_small(tmp_path: Path) -> dict:
-    """hkv-bench --small against a fresh tiny-hybrid server; its JSON report (the table is printed)."""
-    server = launch(["--model", "tiny-hybrid"], tmp_path)
+    """hkv-bench --small against a fresh tiny-hybrid-random server; its JSON report (the table is printed)."""
+    server = launch(["--model", "tiny-hybrid-random"], tmp_path)
     pids = server.actor_pids()
     out = tmp_path / "bench.json"
     try:

@@ -1,6 +1,7 @@
-"""The default model (tiny-hybrid, Gated DeltaNet + gated attention) served end to end
-equals transformers' Qwen3_5ForCausalLM on the same checkpoint (greedy, margin-aware),
-and a long decode leaves its checkpoints sparse."""
+"""The built-in hybrids (Gated DeltaNet + gated attention) served end to end equal
+transformers' Qwen3_5ForCausalLM on the same checkpoint (greedy, margin-aware): the
+default, trained tiny-hybrid and the random tiny-hybrid-random; and a long decode
+leaves its checkpoints sparse."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import aiohttp
 import pytest
 import torch
 
-from hkv.models.tiny import ensure_builtin
+from hkv.models.tiny import builtin_folder
 from tests.e2e.harness import assert_clean, launch
 from tests.e2e.test_prefix_cache import _body, _complete, inspect_json
 from tests.reference import assert_greedy_parity
@@ -20,12 +21,14 @@ from tests.reference import assert_greedy_parity
 pytestmark = pytest.mark.e2e
 
 
-def test_tiny_hybrid_concurrent_greedy_matches_transformers(tmp_path, builtin_dir):
+@pytest.mark.parametrize("model", [None, "tiny-hybrid-random"])
+def test_tiny_hybrid_concurrent_greedy_matches_transformers(tmp_path, builtin_dir, model):
     from transformers import Qwen3_5ForCausalLM
 
-    folder = ensure_builtin("tiny-hybrid", builtin_dir)
+    folder = builtin_folder(model or "tiny-hybrid", builtin_dir)
     reference = Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    server = launch(["--chunked-prefill-size", "96"], tmp_path)  # the default model is tiny-hybrid
+    # None: no --model flag, so the default (the trained tiny-hybrid) is served
+    server = launch(["--chunked-prefill-size", "96", *(["--model", model] if model else [])], tmp_path)
     pids = server.actor_pids()
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 1536) for _ in range(n)] for n in (5, 80, 250)]
@@ -59,7 +62,7 @@ def test_a_long_decode_leaves_one_checkpoint_besides_the_prompts(tmp_path):
     (Before: 13 checkpoints, one at every page boundary from 32 to 224.)
     """
     page, interval = 16, 256  # interval: the default, 16 pages
-    server = launch(["--page-size", str(page)], tmp_path)
+    server = launch(["--model", "tiny-hybrid-random", "--page-size", str(page)], tmp_path)
     pids = server.actor_pids()
     rng = random.Random(2)
     prompt = [rng.randrange(3, 1536) for _ in range(36)]

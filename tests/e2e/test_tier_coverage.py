@@ -1,4 +1,4 @@
-"""Issue 13's workload at a tiny scale on CPU: tools/bench_tier_coverage.py against two tiny-hybrid servers.
+"""Issue 13's workload at a tiny scale on CPU: tools/bench_tier_coverage.py against two tiny-hybrid-random servers.
 
 A 320-token prompt, pushed off a 1,024-token device by 6 and then by 30 other
 prompts, comes back whole from the CPU tier (0.02 GiB), and the output equals
@@ -22,8 +22,9 @@ PROMPT, TAIL = 320, 16
 
 
 def test_the_evicted_prompt_comes_back_whole_from_the_cpu_tier(tmp_path):
-    server = launch(["--max-total-tokens", "1024", "--cpu-cache-gb", "0.02"], tmp_path)
-    baseline = launch(["--max-total-tokens", "1024", "--no-prefix-cache"], tmp_path)
+    model = ["--model", "tiny-hybrid-random"]
+    server = launch([*model, "--max-total-tokens", "1024", "--cpu-cache-gb", "0.02"], tmp_path)
+    baseline = launch([*model, "--max-total-tokens", "1024", "--no-prefix-cache"], tmp_path)
     pids = server.actor_pids() + baseline.actor_pids()
     try:
         args = bench_tier_coverage.parse_args(["--url", server.url, "--baseline-url", baseline.url,

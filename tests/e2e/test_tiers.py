@@ -34,6 +34,7 @@ from tests.reference import assert_greedy_parity
 pytestmark = pytest.mark.e2e
 VOCAB = 1536
 FLAGS = ["--max-total-tokens", "2048", "--cpu-cache-gb", "0.05"]
+HYBRID_FLAGS = ["--model", "tiny-hybrid-random", *FLAGS]  # random ids in [3, VOCAB) probe it evenly
 OUT_TOKENS = 8
 
 
@@ -55,7 +56,7 @@ def disk_dir(tmp_path_factory) -> Path:
 def hybrid_reference(builtin_dir):
     from transformers import Qwen3_5ForCausalLM
 
-    folder = ensure_builtin("tiny-hybrid", builtin_dir)
+    folder = ensure_builtin("tiny-hybrid-random", builtin_dir)
     return Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
@@ -97,7 +98,7 @@ def _tier_tokens(result: dict) -> tuple[int, int, int]:
 
 def test_1_a_prefix_pushed_off_the_device_comes_back_from_the_cpu_tier(
         disk_dir, hybrid_reference, outputs, tmp_path):
-    server, pids = _serve([*FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
+    server, pids = _serve([*HYBRID_FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
     try:
         first = _complete(server.url, _body(PROMPT_A, OUT_TOKENS))
         others = [_complete(server.url, _body(p, OUT_TOKENS)) for p in OTHERS]
@@ -124,7 +125,7 @@ def test_1_a_prefix_pushed_off_the_device_comes_back_from_the_cpu_tier(
 
 
 def test_2_a_restart_reads_the_prefix_from_disk(disk_dir, hybrid_reference, outputs, tmp_path):
-    server, pids = _serve([*FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
+    server, pids = _serve([*HYBRID_FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
     try:
         result = _complete(server.url, _body(PROMPT_A30, OUT_TOKENS))
         report = _settled_inspect(server.name, lambda r: r["tiers"]["disk"]["hit_pages"] > 0)
@@ -146,7 +147,7 @@ def test_3_corrupted_files_are_deleted_and_counted(disk_dir, hybrid_reference, o
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x5A
         path.write_bytes(bytes(data))
-    server, pids = _serve([*FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
+    server, pids = _serve([*HYBRID_FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
     try:
         result = _complete(server.url, _body(PROMPT_A30, OUT_TOKENS))
         again = _complete(server.url, _body(PROMPT_A30, OUT_TOKENS))  # the recomputed prefix is cached anew
@@ -182,7 +183,7 @@ def test_4_another_model_gets_no_hits(disk_dir, builtin_dir, tmp_path):
 
 def test_5_kill_9_of_the_cache_worker_mid_write(hybrid_reference, tmp_path):
     disk_dir = tmp_path / "kill"
-    server, pids = _serve([*FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
+    server, pids = _serve([*HYBRID_FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
     prompts = _prompts(52, [400] * 12)
     try:
         _complete(server.url, _body(prompts[0], 2))
@@ -203,7 +204,7 @@ def test_5_kill_9_of_the_cache_worker_mid_write(hybrid_reference, tmp_path):
     assert "hkv-launch: stopped: cache_worker exited with code -9" in last, last
     leftovers = len(list(disk_dir.rglob("*.tmp")))
 
-    server, pids = _serve([*FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
+    server, pids = _serve([*HYBRID_FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
     try:
         opened = inspect_json(server.name)["tiers"]["disk"]
         results = asyncio.run(_complete_all(server.url, [_body(p, 4) for p in prompts]))
@@ -234,7 +235,7 @@ def _complete_all_in_thread(url: str, bodies: list[dict]):
 
 def test_6_flush_empties_every_tier(tmp_path):
     disk_dir = tmp_path / "flush"
-    server, pids = _serve([*FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
+    server, pids = _serve([*HYBRID_FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
     try:
         _complete(server.url, _body(PROMPT_A, 2))
         before = _settled_inspect(server.name, lambda r: r["tiers"]["disk"]["files"] >= 37)
@@ -256,7 +257,8 @@ def test_7_pressure_with_tiers_matches_transformers_and_flushes_clean(hybrid_ref
     """Concurrent shared-prefix requests on a small device pool: preemption, holds, lookups and
     loads interleave; the router checks its books after every step (--log-level debug)."""
     disk_dir = tmp_path / "pressure"
-    server, pids = _serve(["--max-total-tokens", "1024", "--max-running-requests", "8", "--cpu-cache-gb", "0.05",
+    server, pids = _serve(["--model", "tiny-hybrid-random", "--max-total-tokens", "1024", "--max-running-requests", "8",
+                           "--cpu-cache-gb", "0.05",
                            "--disk-cache-dir", str(disk_dir), "--log-level", "debug"], tmp_path)
     rng = random.Random(53)
     shared = _prompts(54, [300, 200])

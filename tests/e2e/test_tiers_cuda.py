@@ -22,7 +22,8 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-FLAGS = ["--device", "cuda", "--dtype", "float32", "--max-total-tokens", "2048", "--cpu-cache-gb", "0.05"]
+FLAGS = ["--model", "tiny-hybrid-random", "--device", "cuda", "--dtype", "float32", "--max-total-tokens", "2048",
+         "--cpu-cache-gb", "0.05"]
 OUT_TOKENS = 8
 
 
@@ -36,7 +37,7 @@ def _greedy_gaps(folder, prompt: list[int], output: list[int], work_dir) -> list
 
 
 def test_cuda_rank_loads_the_cpu_tier_then_disk(tmp_path, builtin_dir, launch_command):  # noqa: F811
-    folder = ensure_builtin("tiny-hybrid", builtin_dir)
+    folder = ensure_builtin("tiny-hybrid-random", builtin_dir)
     disk_dir = tmp_path / "disk"
     server = launch([*FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
     pids = server.actor_pids()

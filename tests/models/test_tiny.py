@@ -19,7 +19,7 @@ GOLDEN = {
         "model.safetensors": "58425c0f59e9c4c0020e8180c1c83ef76d4cc7cd24ffd38d3e7acd0d989e0d7c",
         "tokenizer.json": "964619a3a60f363ac9afbdcc88fae32778b5099e75bc8a74fd2023215d066ebe",
     },
-    "tiny-hybrid": {
+    "tiny-hybrid-random": {
         "model.safetensors": "886443a65d6c42be5415a661a39d8f9c0eda4d9ec937e5178bc2cf6f7f5d3af9",
         "tokenizer.json": "964619a3a60f363ac9afbdcc88fae32778b5099e75bc8a74fd2023215d066ebe",
     },
@@ -60,7 +60,7 @@ def test_concurrent_first_use_leaves_one_complete_folder(tmp_path):
 
     def build():
         try:
-            results.append(ensure_builtin("tiny-hybrid", tmp_path))
+            results.append(ensure_builtin("tiny-hybrid-random", tmp_path))
         except Exception as exc:  # surfaced by the assert below
             errors.append(exc)
 
@@ -71,13 +71,15 @@ def test_concurrent_first_use_leaves_one_complete_folder(tmp_path):
         t.join()
     assert not errors
     assert len(set(results)) == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["tiny-hybrid-v1"]  # no temporary folders left
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-hybrid-random-v1"]  # no temporary folders left
     assert sorted(_digests(results[0])) == sorted(FILES)
 
 
 def test_unknown_builtin(tmp_path):
-    with pytest.raises(ValueError, match="tiny-dense, tiny-hybrid"):
+    with pytest.raises(ValueError, match="tiny-dense, tiny-hybrid-random"):
         ensure_builtin("tiny-moe", tmp_path)
+    with pytest.raises(ValueError, match="unknown random built-in"):
+        ensure_builtin("tiny-hybrid", tmp_path)  # the trained one is shipped, never written
 
 
 def test_tiny_dense_matches_transformers(built):
@@ -101,10 +103,10 @@ def test_tiny_dense_matches_transformers(built):
             assert (got - want).abs().max().item() < 1e-4
 
 
-def test_tiny_hybrid_loads_in_transformers(built):
+def test_tiny_hybrid_random_loads_in_transformers(built):
     from transformers import AutoModelForCausalLM
 
-    folder = built["tiny-hybrid"]
+    folder = built["tiny-hybrid-random"]
     hf, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True)
     assert type(hf).__name__ == "Qwen3_5ForCausalLM"
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
