@@ -159,12 +159,14 @@ async def test_bad_requests_are_refused_counted_and_the_router_keeps_serving():
 
 async def test_a_reused_live_id_is_dropped_without_an_answer():
     async with router("hold") as env:
-        await env.generate(1, [TOKEN], max_tokens=3)
+        # 30 tokens: request 1 is still running when the router reads the reuse (it reads its
+        # inbox between steps; with 3, a loaded machine could finish request 1 first)
+        await env.generate(1, [TOKEN], max_tokens=30)
         await env.until(lambda: env.rank.plans)
         await env.generate(1, [TOKEN, 6], max_tokens=1)  # read while request 1 still runs
         env.rank.release.set()
         done = await env.finished(1)
-        assert done[1].finish_reason == "length" and [t for d in env.deltas[1] for t in d.token_ids] == [TOKEN] * 3
+        assert done[1].finish_reason == "length" and [t for d in env.deltas[1] for t in d.token_ids] == [TOKEN] * 30
         await env.until(lambda: env.stats.read()["malformed_router_in"] == 1)
         assert all(len(c.token_ids) == 1 for p in env.rank.plans for c in p.chunks)
 
