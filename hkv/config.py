@@ -11,18 +11,21 @@ only module that reads environment variables.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import math
 import os
-import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
+from hkv.argtypes import fraction as _fraction
+from hkv.argtypes import non_negative_float as _non_negative_float
+from hkv.argtypes import non_negative_int as _non_negative_int
+from hkv.argtypes import positive_float as _positive_float
+from hkv.argtypes import positive_int as _positive_int
 from hkv.ipc.rundir import create_run_dir
+from hkv.keys import KeyHash  # noqa: F401  (re-exported: the api and tests take it from here)
 from hkv_kernels.gdn import GDN_CHUNK
 
 # tiny-hybrid: trained, shipped in the package; the others: random weights for tests (hkv/models/tiny.py)
@@ -134,31 +137,6 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
-class KeyHash:
-    """A bearer key kept as a salted SHA-256 digest.
-
-    The api only compares keys, so the config (written to the run directory as
-    config.json) carries this and never the key itself.
-    """
-
-    salt: str  # hex of 16 random bytes
-    digest: str  # hex of sha256(salt || key)
-
-    @classmethod
-    def of(cls, key: str) -> "KeyHash":
-        salt = secrets.token_bytes(16)
-        return cls(salt.hex(), _key_digest(salt, key).hex())
-
-    def matches(self, token: str) -> bool:
-        """Constant-time comparison of `token`'s digest with the key's."""
-        return hmac.compare_digest(_key_digest(bytes.fromhex(self.salt), token), bytes.fromhex(self.digest))
-
-
-def _key_digest(salt: bytes, key: str) -> bytes:
-    return hashlib.sha256(salt + key.encode("utf-8", "surrogateescape")).digest()
-
-
-@dataclass(frozen=True)
 class ServerConfig:
     host: str
     port: int
@@ -210,41 +188,6 @@ def builtin_cache_dir() -> str:
     if env:
         return env
     return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hkv")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
 
 
 class _Parser(argparse.ArgumentParser):
