@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from hkv.models.tiny import ENDOFTEXT, IM_END, build_tokenizer, tokenizer_config
+from hkv.models.tiny import ENDOFTEXT, IM_END, build_tokenizer, qwen3_5_text_config, tokenizer_config
 
 FULL_ATTENTION_INTERVAL = 4
 DEFAULTS = dict(layers=24, hidden_size=2048, intermediate_size=6144, vocab_size=151_936)
@@ -47,10 +47,7 @@ class _Parser(argparse.ArgumentParser):
 def bench_config(layers: int, hidden_size: int, intermediate_size: int, vocab_size: int,
                  eot: int, im_end: int) -> dict:
     """config.json of the benchmark model (the full-size one with DEFAULTS)."""
-    return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
-        "vocab_size": vocab_size,
+    return qwen3_5_text_config(vocab_size, eot, im_end, **{
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
         "num_hidden_layers": layers,
@@ -64,22 +61,13 @@ def bench_config(layers: int, hidden_size: int, intermediate_size: int, vocab_si
         "linear_value_head_dim": 128,
         "linear_num_key_heads": 16,
         "linear_num_value_heads": 32,
-        "hidden_act": "silu",
         "max_position_embeddings": 262_144,
-        "rms_norm_eps": 1e-6,
         # as released Qwen3.5 configs write it; text-only positions make mrope plain partial rope
         "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
         "tie_word_embeddings": True,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "initializer_range": STD,
-        "use_cache": True,
-        "bos_token_id": eot,
-        "eos_token_id": im_end,
-        "pad_token_id": eot,
-        "dtype": "bfloat16",
-    }
+    })
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hkv.models.tiny import ENDOFTEXT, IM_END, SHIPPED_DIR, tokenizer_config
+from hkv.models.tiny import ENDOFTEXT, IM_END, SHIPPED_DIR, qwen3_5_text_config, tokenizer_config
 from tools.tiny_corpus import HELD_OUT, encode, load_corpus, train_tokenizer
 from tools.tiny_mtp import MTPHead, window_forward
 
@@ -134,10 +134,7 @@ def resolve_device(choice: str) -> str:
 
 def model_config(vocab: int, eot: int, im_end: int) -> dict:
     """config.json of the built-in model (a qwen3_5_text checkpoint with one MTP layer)."""
-    return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
-        "vocab_size": vocab,
+    return qwen3_5_text_config(vocab, eot, im_end, **{
         "hidden_size": 256,
         "intermediate_size": 512,
         "num_hidden_layers": 8,
@@ -150,24 +147,14 @@ def model_config(vocab: int, eot: int, im_end: int) -> dict:
         "linear_value_head_dim": 64,
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
-        "hidden_act": "silu",
         # trained on 512-token windows; longer prompts run (GDN carries state) but were never seen
         "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
         # rotary dims 16 = 8 frequency pairs; text positions make mrope plain 1-D rope
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                             "mrope_section": [3, 3, 2], "mrope_interleaved": True},
         "tie_word_embeddings": True,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "mtp_num_hidden_layers": 1,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": eot,
-        "eos_token_id": im_end,
-        "pad_token_id": eot,
-        "dtype": "bfloat16",
-    }
+    })
 
 
 def build_model(config: dict, seed: int):

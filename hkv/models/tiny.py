@@ -209,11 +209,19 @@ def _dense_config(vocab: int, eot: int, im_end: int) -> dict:
     }
 
 
-def _hybrid_config(vocab: int, eot: int, im_end: int) -> dict:
+def qwen3_5_text_config(vocab: int, eot: int, im_end: int, **fields) -> dict:
+    """config.json of a Qwen3.5 text checkpoint: what every one of ours shares (the built-ins, the
+    trained model, the benchmark model), then `fields` (dimensions, layers, rope; they win)."""
     return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
-        "vocab_size": vocab,
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": vocab,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "use_cache": True, "bos_token_id": eot, "eos_token_id": im_end,
+        "pad_token_id": eot, "dtype": "bfloat16", **fields,
+    }
+
+
+def _hybrid_config(vocab: int, eot: int, im_end: int) -> dict:
+    return qwen3_5_text_config(vocab, eot, im_end, **{
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 4,
@@ -226,9 +234,7 @@ def _hybrid_config(vocab: int, eot: int, im_end: int) -> dict:
         "linear_value_head_dim": 16,
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
-        "hidden_act": "silu",
         "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
         # as in released Qwen3.5 configs; with text-only positions mrope equals plain partial rope
         "rope_parameters": {
             "rope_type": "default",
@@ -238,16 +244,8 @@ def _hybrid_config(vocab: int, eot: int, im_end: int) -> dict:
             "mrope_interleaved": True,
         },
         "tie_word_embeddings": False,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "mtp_num_hidden_layers": 1,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": eot,
-        "eos_token_id": im_end,
-        "pad_token_id": eot,
-        "dtype": "bfloat16",
-    }
+    })
 
 
 class _TensorMaker:
