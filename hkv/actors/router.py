@@ -128,14 +128,10 @@ class Router:
                 log.info("rank %d ready with %d KV pages, %d state slots", msg.rank, msg.kv_pages, msg.state_slots)
         self.open_cache(min(pages), min(slots))
 
-    def open_cache(self, kv_pages: int, state_slots: int | None = None) -> None:
+    def open_cache(self, kv_pages: int, state_slots: int) -> None:
         """The coordinator, tier client and scheduler over a device pool of `kv_pages` pages and
-        `state_slots` state slots (None: the configured count)."""
+        `state_slots` state slots, as the ranks allocated them (--state-slots, or sized from memory)."""
         cfg, c = self.cfg, self.cfg.cache
-        if c.state_slots is not None:
-            state_slots = c.state_slots
-        elif state_slots is None:
-            raise ValueError("the state pool is sized by the ranks: open the cache with their count")
         limits = SchedulerLimits(
             page_size=c.page_size,
             max_running=cfg.scheduler.max_running_requests,

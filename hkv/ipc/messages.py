@@ -277,7 +277,7 @@ class RankReady(msgspec.Struct, frozen=True, tag="ready"):
 
     rank: int
     kv_pages: int  # pages in the device KV pool
-    state_slots: int = 0  # slots of the state pool the router may hand out (0: dense model)
+    state_slots: int  # slots of the state pool the router may hand out (0: dense model)
 
 
 RankOutbound = StepResult | RankReady

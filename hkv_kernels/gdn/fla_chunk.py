@@ -96,13 +96,7 @@ def _chunked_with_states(q, k, v, g, beta, initial, scale, meta: KernelMeta, use
 
     varlen = meta.num_seqs > 1
     cu = meta.cu_seqlens if varlen else None
-    indices = offsets = None
-    if varlen:
-        indices, offsets = meta.fla_chunk_indices, meta.fla_chunk_offsets
-        if indices is None:  # a KernelMeta built without fla's fields: let fla derive them (host bounds)
-            from fla.ops.utils.index import prepare_chunk_indices
-
-            indices = prepare_chunk_indices(cu, FLA_CHUNK, cu_seqlens_cpu=meta.cu_seqlens_host)
+    indices, offsets = (meta.fla_chunk_indices, meta.fla_chunk_offsets) if varlen else (None, None)
     if use_qk_l2norm:
         q, _ = l2norm_fwd(q)
         k, _ = l2norm_fwd(k)
