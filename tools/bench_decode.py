@@ -186,39 +186,6 @@ def profile_step(rig: DecodeRig, batch: int, kind: str = "decode") -> dict:
             "host_top": sorted(host, key=lambda r: -r[1])[:15], "python_top_3_steps": python_top}
 
 
-GEMMS = {  # the benchmark model's projections (fused as on CUDA): name -> (in, out, per forward)
-    "attn_qkv": (2048, 9216, 6), "attn_o": (4096, 2048, 6), "gdn_in": (2048, 12352, 18), "gdn_out": (4096, 2048, 18),
-    "mlp_gate_up": (2048, 12288, 24), "mlp_down": (6144, 2048, 24), "lm_head": (2048, 151936, 1),
-}
-
-
-def bench_gemms(batches: list[int], bandwidth: float) -> list[dict]:
-    """Each projection's GEMM at M = batch, alone: milliseconds and fraction of copy bandwidth
-    for its weight bytes (what a decode step's GEMMs can reach)."""
-    rows = []
-    for name, (k, n, count) in GEMMS.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        for b in batches:
-            x = torch.randn(b, k, device="cuda", dtype=torch.bfloat16)
-            for _ in range(5):
-                torch.nn.functional.linear(x, w)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(50):
-                torch.nn.functional.linear(x, w)
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / 50
-            frac = w.numel() * 2 / (ms / 1e3) / (bandwidth / 2)  # weights are only read: half the copy's bytes
-            rows.append({"gemm": name, "k": k, "n": n, "batch": b, "ms": ms, "per_forward_ms": ms * count,
-                         "of_read_bandwidth": frac})
-            print(f"gemm {name:12} {k}x{n} M={b:<3} {ms * 1e3:7.1f} us  x{count:<2} = {ms * count:6.3f} ms  "
-                  f"{100 * frac:5.1f}% of read bandwidth", flush=True)
-        del w
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,32,64", help="decode batch sizes (default: 1,32,64)")
@@ -228,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed", action="store_true",
                         help="also time eager steps: decodes plus one 128-token prompt, and B prompts of 128 "
                              "tokens after a cached prefix")
-    parser.add_argument("--gemm", action="store_true", help="also time each projection's GEMM alone")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -241,8 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; model {params / 1e9:.2f} B params",
           flush=True)
     out = {"copy_bandwidth": bw, "params": params, "context": args.context, "rows": []}
-    if args.gemm:
-        out["gemms"] = bench_gemms(batches, bw)
     with torch.inference_mode():
         for graphs in (True, False):
             rig = DecodeRig(model, max(batches), args.context, graphs)

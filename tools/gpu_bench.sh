@@ -127,7 +127,7 @@ if wants i13; then
 fi
 if wants decode; then
   say "in-process decode step"
-  timeout 300 python3 -m tools.bench_decode --profile --mixed ${DECODE_FLAGS:-} --json "$OUT/decode.json" 2>&1 | grep -v Warning \
+  timeout 300 python3 -m tools.bench_decode --profile --mixed --json "$OUT/decode.json" 2>&1 | grep -v Warning \
     | tee -a "$LOG"
 fi
 if wants sweep; then
