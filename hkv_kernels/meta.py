@@ -189,21 +189,24 @@ class StepArena:
         return {name: self.dev[off : off + n] for name, (off, n) in layout.items()}
 
 
-def meta_arrays(q_lens: np.ndarray, kv_lens: np.ndarray, table_rows: np.ndarray, attn_block_t: int
-                ) -> dict[str, np.ndarray]:
-    """The per-sequence and per-block arrays of KernelMeta, as numpy int64 (field name -> values)."""
+def meta_arrays(q_lens: np.ndarray, kv_lens: np.ndarray, table_rows: np.ndarray, attn_block_t: int,
+                gdn_chunks: bool = True) -> dict[str, np.ndarray]:
+    """The per-sequence and per-block arrays of KernelMeta, as numpy int64 (field name -> values);
+    gdn_chunks False leaves out fla's chunk metadata (decode graphs never run the chunk path)."""
     q_start = np.cumsum(q_lens) - q_lens
     attn_seq, attn_tok = ragged_blocks(q_lens, attn_block_t)
     conv_seq, conv_tok = ragged_blocks(q_lens, CONV_BLOCK_T)
-    fla_seq, fla_tok = ragged_blocks(q_lens, GDN_CHUNK)
-    return {
+    arrays = {
         "q_start": q_start, "q_len": q_lens, "kv_len": kv_lens, "table_rows": table_rows,
         "attn_block_seq": attn_seq, "attn_block_tok": attn_tok,
         "conv_block_seq": conv_seq, "conv_block_tok": conv_tok,
         "cu_seqlens": np.concatenate(([0], np.cumsum(q_lens))),
-        "fla_chunk_indices": np.stack([fla_seq, fla_tok // GDN_CHUNK], 1).reshape(-1),
-        "fla_chunk_offsets": np.concatenate(([0], np.cumsum(-(-q_lens // GDN_CHUNK)))),
     }
+    if gdn_chunks:
+        fla_seq, fla_tok = ragged_blocks(q_lens, GDN_CHUNK)
+        arrays["fla_chunk_indices"] = np.stack([fla_seq, fla_tok // GDN_CHUNK], 1).reshape(-1)
+        arrays["fla_chunk_offsets"] = np.concatenate(([0], np.cumsum(-(-q_lens // GDN_CHUNK))))
+    return arrays
 
 
 def kernel_meta(views: dict[str, torch.Tensor], q_lens: np.ndarray, attn_tile: tuple[int, int, int, int],

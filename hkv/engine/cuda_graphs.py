@@ -99,8 +99,7 @@ class DecodeGraphs:
             if inputs.state_slots is not None:
                 arrays["state_slots"] = np.concatenate((inputs.state_slots, arrays["state_slots"]))
         arrays["logits_indices"] = np.arange(b, dtype=np.int64)
-        arrays.update(meta_arrays(q_lens, kv_lens, rows, self.block_t))
-        del arrays["fla_chunk_indices"], arrays["fla_chunk_offsets"]  # decode never runs fla's chunk path
+        arrays.update(meta_arrays(q_lens, kv_lens, rows, self.block_t, gdn_chunks=False))
         return arrays
 
     def _static_batch(self, b: int, views: dict[str, torch.Tensor]) -> ForwardBatch:
