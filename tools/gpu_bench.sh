@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call for the served numbers of issues 11, 12 and 13 on the benchmark model
+# One device call for the served numbers of issues 11, 12 and 13 (and the built-in model's training, issue 18) on the benchmark model
 # (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
-#   run: bash tools/gpu_bench.sh [parts: launch,i11,i12,i13,decode; default all but decode]
+#   run: bash tools/gpu_bench.sh [parts: train,launch,launch-only,i11,prefix,i12,i13,decode,sweep;
+#        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
 OUT=${OUT:-.out}
@@ -59,6 +60,16 @@ EOF
 }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
+if wants train; then  # issue 18: the built-in model, trained here; $OUT/tiny-hybrid.tgz is the folder to commit
+  say "train tiny-hybrid on this Python's standard library, then evaluate it"
+  rm -rf /tmp/tiny-hybrid
+  timeout 470 python3 -m tools.train_tiny --out /tmp/tiny-hybrid --max-train-minutes "${TRAIN_MINUTES:-6}" \
+    >"$OUT/train.log" 2>&1
+  grep -v "^step " "$OUT/train.log" | tail -25 | tee -a "$LOG"
+  timeout 150 python3 -m tools.train_tiny --eval --model /tmp/tiny-hybrid >"$OUT/eval.log" 2>&1
+  tail -15 "$OUT/eval.log" | tee -a "$LOG"
+  tar czf "$OUT/tiny-hybrid.tgz" -C /tmp tiny-hybrid && ls -la /tmp/tiny-hybrid | tee -a "$LOG"
+fi
 if wants launch || wants launch-only; then
   tests=(tests/e2e/test_cuda_launch.py)
   wants launch && tests+=(tests/kernels/test_chunk_checkpoints.py tests/kernels/test_gdn.py tests/kernels/test_dispatch.py)
@@ -66,7 +77,7 @@ if wants launch || wants launch-only; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
 fi
-[[ -d $MODEL ]] || timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
+{ wants i11 || wants prefix || wants i12 || wants i13; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
 if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"

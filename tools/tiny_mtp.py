@@ -78,7 +78,9 @@ class MTPHead(nn.Module):
 def rope_positions(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of positions 0..T-1 for every row of `hidden` [B, T, H], from the target's rotary."""
     batch, length = hidden.shape[:2]
-    positions = torch.arange(length, device=hidden.device).unsqueeze(0).expand(batch, length)
+    # [3, B, T]: the multimodal-rotary layout every transformers 5.x version takes (5.17 needs it; later ones
+    # expand a [B, T] to it themselves)
+    positions = torch.arange(length, device=hidden.device).view(1, 1, length).expand(3, batch, length)
     return model.model.rotary_emb(hidden, positions)
 
 
