@@ -22,6 +22,7 @@ import msgspec
 from hkv.argtypes import fraction as _fraction
 from hkv.argtypes import non_negative_float as _non_negative_float
 from hkv.argtypes import non_negative_int as _non_negative_int
+from hkv.engine.validate import MAX_SPEC_TOKENS
 from hkv.argtypes import positive_float as _positive_float
 from hkv.argtypes import positive_int as _positive_int
 from hkv.ipc.rundir import create_run_dir
@@ -62,6 +63,7 @@ class ModelSpec:
     linear_v_dim: int = 0
     conv_kernel: int = 0  # GDN causal conv width
     declared_dtype: str | None = None  # config.json's dtype / torch_dtype, if any
+    mtp_layers: int = 0  # MTP layers whose weights (mtp.*) the checkpoint holds: what --spec-tokens drafts with
 
     @property
     def hybrid(self) -> bool:
@@ -132,8 +134,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    spec_tokens: int
-    draft_window: int | None
+    spec_tokens: int  # K: MTP drafts per step, 0 = off
+    draft_window: int  # W: draft-layer K/V positions kept per request, 0 = full length (paged)
 
 
 @dataclass(frozen=True)
@@ -253,9 +255,11 @@ def _scheduling_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per step across all sequences, prefill chunks included (default: 512 on cpu, "
                         "8192 on cuda)")
     g.add_argument("--spec-tokens", type=_non_negative_int, default=0,
-                   help=f"MTP draft tokens per step; 0 = off (default: 0). Values above 0: {PENDING.lower()}")
+                   help=f"speculative decoding: tokens the checkpoint's MTP module drafts per step, verified in one "
+                        f"target forward; at most {MAX_SPEC_TOKENS}, needs mtp.* weights (default: 0 = off)")
     g.add_argument("--draft-window", type=_non_negative_int, default=None,
-                   help=f"positions of draft-layer KV kept per request; 0 = full length (default: 0). {PENDING}")
+                   help="positions of draft-layer K/V kept per request: 0 = full length, paged like the target; "
+                        "W > 0 = a ring of the last W, at least --spec-tokens + 1 (default: 0)")
     g.add_argument("--no-cuda-graph", action="store_true",
                    help="run decode steps eagerly on CUDA instead of replaying captured graphs (default: graphs on)")
     g.add_argument("--cuda-graph-max-bs", type=_positive_int, default=None,
@@ -323,8 +327,6 @@ def _not_built_yet(args: argparse.Namespace) -> list[str]:
     """Flags whose features have not landed: refusing them beats silently ignoring them."""
     given = {
         "--tp": args.tp != 1,
-        "--spec-tokens": args.spec_tokens > 0,
-        "--draft-window": args.draft_window is not None,
         "--mode": args.mode != "normal",
         "--prefill-url": bool(args.prefill_url),
         "--decode-url": bool(args.decode_url),
@@ -368,6 +370,27 @@ def _check_tiers(args: argparse.Namespace) -> None:
     target = Path(args.disk_cache_dir)
     if target.exists() and not target.is_dir():
         raise ConfigError(f"--disk-cache-dir {args.disk_cache_dir}: exists and is not a directory")
+
+
+def _check_spec(args: argparse.Namespace, spec: ModelSpec) -> None:
+    """--spec-tokens / --draft-window against each other, the model and the other flags (exit 2)."""
+    k, w = args.spec_tokens, args.draft_window
+    if k == 0:
+        if w is not None:
+            raise ConfigError("--draft-window needs --spec-tokens >= 1")
+        return
+    if k > MAX_SPEC_TOKENS:
+        raise ConfigError(f"--spec-tokens {k}: at most {MAX_SPEC_TOKENS}")
+    if w is not None and 0 < w < k + 1:
+        raise ConfigError(f"--draft-window {w}: must be 0 (full length) or at least --spec-tokens + 1 ({k + 1})")
+    if not spec.hybrid or spec.family not in ("qwen3_5", "qwen3_5_text", "qwen3_next"):
+        raise ConfigError(f"--spec-tokens: drafting uses a Qwen3.5 / Qwen3-Next MTP module; {args.model} is "
+                          f"{spec.family}")
+    if spec.mtp_layers < 1:
+        raise ConfigError(f"--spec-tokens needs MTP weights (mtp.*); {args.model} has none")
+    if args.cpu_cache_gb > 0:
+        raise ConfigError("--spec-tokens with --cpu-cache-gb: the CPU and disk tiers do not carry draft windows "
+                          "yet; use one or the other")
 
 
 def _describe(path: str) -> ModelSpec:
@@ -556,6 +579,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     cache_dir = builtin_cache_dir()
     path = _resolve_model_path(args.model, cache_dir)
     spec = _describe(path)
+    _check_spec(args, spec)
     dtype = _resolve_dtype(args.dtype, device, spec.declared_dtype)
     name = args.name or f"hkv{args.port}"
     on_cpu = device == "cpu"
@@ -572,7 +596,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             chunked_prefill_size=args.chunked_prefill_size or (512 if on_cpu else 8192),
             max_queued_requests=4096,
         ),
-        spec=SpecConfig(args.spec_tokens, args.draft_window),
+        spec=SpecConfig(args.spec_tokens, args.draft_window or 0),
         server=server,
         run_dir=run_dir,
         builtin_cache_dir=cache_dir,

@@ -36,13 +36,13 @@ def test_help_groups_the_flags():
     for group in ("model:", "cache:", "tiers:", "scheduling:", "server:", "prefill/decode disaggregation:",
                   "security:"):
         assert group in text
-    pending = {"--tp", "--spec-tokens", "--draft-window", "--mode", "--prefill-url", "--decode-url", "--secret-file"}
+    pending = {"--tp", "--mode", "--prefill-url", "--decode-url", "--secret-file"}
     for action in _flags():
         said = "not implemented yet" in action.help.lower()
         assert said == (action.option_strings[0] in pending), action.option_strings[0]
 
 
-@pytest.mark.parametrize("argv", [["--tp", "2"], ["--spec-tokens", "1"], ["--mode", "decode"]])
+@pytest.mark.parametrize("argv", [["--tp", "2"], ["--mode", "decode"]])
 def test_flags_not_built_yet_are_refused(argv):
     with pytest.raises(ConfigError, match=f"not implemented yet: {argv[0]}"):
         parse_cli(["--device", "cpu", *argv])

@@ -32,7 +32,8 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
     usable state slots)."""
     import torch
 
-    from hkv.models.loader import load_model
+    from hkv.engine import spec
+    from hkv.models.loader import TORCH_DTYPES, load_model
     from hkv.storage.kv_pool import KVPool
     from hkv.storage.state_pool import StatePool
 
@@ -40,7 +41,8 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
     on_cuda = cfg.model.device == "cuda"
     if not on_cuda:
         torch.set_num_threads(cfg.model.cpu_threads)
-    loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
+    drafting = cfg.spec.spec_tokens > 0
+    loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, mtp=drafting)
     model = loaded.model
     if tuple(sorted(model.layer_map)) != cfg.model.spec.full_layers:
         raise ValueError(f"the checkpoint's attention layers {sorted(model.layer_map)} differ from the "
@@ -50,8 +52,11 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
     slots = cfg.cache.state_slots
     if slots is None:  # CUDA, hybrid, no --state-slots: a share of the memory
         slots = sizing.state_slots_from_memory(cfg, model)
-    state_layout = model.state_layout(slots + extra, device=cfg.model.device)
-    state = StatePool(state_layout) if state_layout is not None else None
+    # speculative decoding: (k + 1) scratch slots per request-table row for the verify states (hkv/engine/spec.py)
+    keep = spec.keep_slots_needed(table.layout.slots, cfg.spec.spec_tokens)
+    draft = spec.draft_spec(model, cfg.spec.draft_window) if drafting else None
+    state_layout = model.state_layout(slots + extra + keep, device=cfg.model.device)
+    state = StatePool(state_layout, draft, TORCH_DTYPES[cfg.model.dtype]) if state_layout is not None else None
     if state is not None:
         log.info("state pool: %d slots, %.2f MiB each", slots, state_layout.bytes_per_slot / 2**20)
     if on_cuda:  # compile and autotune the prefill kernels now, not in the first requests' TTFT
@@ -64,13 +69,18 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
     if pages is None:
         pages = sizing.pages_from_memory(cfg, model, state)
     layout = model.kv_layout(pages + extra, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
-    kv = KVPool(layout, model.layer_map)
+    layout, layer_map = spec.with_paged_draft(model, layout, model.layer_map, draft)  # W = 0: one more layer
+    kv = KVPool(layout, layer_map)
     log.info("KV pool: %d pages x %d tokens, %.1f MiB", pages, layout.page_size,
              layout.bytes_per_page() * pages / 2**20)
     scratch = (pages, slots if state is not None else None) if on_cuda else None
     runner = ModelRunner(model, kv, state, table, cfg.cache.page_size, cfg.model.device, scratch=scratch,
                          max_tokens=cfg.scheduler.chunked_prefill_size + cfg.scheduler.max_running_requests,
-                         graph_max_bs=cfg.model.cuda_graph_max_bs)
+                         graph_max_bs=0 if drafting else cfg.model.cuda_graph_max_bs)  # verify graphs: not yet
+    if drafting:
+        spec.attach(runner, draft, cfg.spec.spec_tokens, slots + extra)
+        log.info("speculative decoding: %d MTP drafts a step, draft window %s, %.1f KiB of drafter state a slot",
+                 cfg.spec.spec_tokens, draft.window or "full length (paged)", state.draft_bytes_per_slot() / 1024)
     seconds = runner.capture_graphs()
     if runner.graphs is not None:
         log.info("CUDA graphs: %d decode buckets up to batch %d in %.1f s", len(runner.graphs.graphs),

@@ -141,6 +141,7 @@ class Router:
             hybrid=c.hybrid,
             checkpoint_interval=c.checkpoint_interval,
             tier_checkpoint_interval=c.tier_checkpoint_interval,
+            spec_tokens=cfg.spec.spec_tokens,
         )
         spec = CacheSpec(c.page_size, kv_pages, state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
         self.coord = CacheCoordinator(spec)
@@ -371,6 +372,9 @@ class Router:
             "radix_checkpoints": tree.num_checkpoints,
             "radix_evictable_pages": tree.evictable_pages,
             "tier_offloads_skipped": self.tiers.skipped_offloads if self.tiers is not None else 0,
+            "spec_verified": sched.spec_verified,
+            "spec_accepted": sched.spec_accepted,
+            **{f"spec_accepted_{i}": n for i, n in enumerate(sched.spec_histogram)},
         }
         for key, pool, cached in (
             ("pages", coord.pages, tree.cached_pages),

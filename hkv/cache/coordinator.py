@@ -393,6 +393,28 @@ class CacheCoordinator(CheckpointPlacement):
 
         self._log(undo)
 
+    def rewind(self, req_id: int, cursor: int) -> int:
+        """Speculative decoding: the verified length is `cursor`, short of what the step reserved.
+        Moves the cursor back and frees the request's own pages past it; returns the pages freed.
+
+            pages [ ... | page of cursor - 1 ] [ look-ahead pages the rejected drafts had ]
+                                               ^ freed
+        """
+        req = self._record_outside_transaction(req_id, "rewind")
+        if req.phase is not Phase.RUNNING:
+            raise TransactionError(f"rewind({req_id}): the request is {req.phase.value}")
+        if not req.published <= cursor <= req.cursor:
+            raise ValueError(f"rewind({req_id}): cursor {cursor} outside [published {req.published}, "
+                             f"cursor {req.cursor}]")
+        if any(depth > cursor for depth in req.pending):
+            raise ValueError(f"rewind({req_id}): a pending checkpoint lies past {cursor}")
+        keep = self.pages.pages_for(cursor)
+        extra = req.pages[keep:]
+        del req.pages[keep:]
+        self.pages.free(extra)
+        req.cursor = cursor
+        return len(extra)
+
     def pause(self, req_id: int) -> None:
         """Preempt: free everything the request holds except what it published.
 

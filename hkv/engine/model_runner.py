@@ -40,6 +40,7 @@ class Launched:
     sample: PendingSample | None  # None: nothing sampled (a copies-only plan) or the launch failed
     started: float  # perf_counter at launch
     error: str | None = None
+    spec_out: list[Sampled] | None = None  # speculative decoding: the step's answers, already on the host
 
     def done(self) -> bool:
         """The device finished it (its sampled ids are on the host)."""
@@ -71,6 +72,7 @@ class ModelRunner:
         self.pages: DevicePageTable | None = None  # CUDA: page ids mirrored on the device
         self.arena: StepArena | None = None  # CUDA: the eager steps' metadata buffer
         self.graphs: DecodeGraphs | None = None
+        self.spec = None  # hkv.engine.spec.SpecDecoder when drafting (--spec-tokens), set by its builder
         # the CUDA path's arena, mirrored page table and decode buckets; tests also take it on CPU
         if self.device.type == "cuda" if device_metadata is None else device_metadata:
             self._init_cuda(scratch, max_tokens, graph_max_bs)
@@ -112,6 +114,9 @@ class ModelRunner:
                     self._sync()
                     return Launched(plan, [], None, started)
                 self._reset_fresh_states(plan)
+                if self.spec is not None:
+                    out = self.spec.run(plan)
+                    return Launched(plan, [s.slot for s in out], None, started, spec_out=out)
                 logits, sample_rows = self.forward(plan)  # [S, vocab], [S]
                 rows = [SampleRow(self.sampling[c.slot], c.start_pos + len(c.token_ids))
                         for c in plan.chunks if c.sample]
@@ -127,6 +132,8 @@ class ModelRunner:
         plan = launched.plan
         if launched.error is not None:
             return StepResult(plan.step, [], 0.0, launched.error)
+        if launched.spec_out is not None:
+            return StepResult(plan.step, launched.spec_out, time.perf_counter() - launched.started)
         outs = launched.sample.outputs() if launched.sample is not None else []
         forward_s = time.perf_counter() - launched.started
         sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(launched.slots, outs)]

@@ -33,6 +33,8 @@ class Publishing:
             seq = sent.get(chunk.slot)
             if seq is None or seq.req_id not in self.running or seq.slot != chunk.slot:
                 continue
+            if chunk.drafts:  # what it computes is known at its result (Scheduler._apply_verified)
+                continue
             self._publish_in_chunk(seq, chunk)
             self._publish(seq, len(chunk.token_ids) > 1, chunk.start_pos + len(chunk.token_ids))
 

@@ -61,6 +61,7 @@ class SchedulerLimits:
     checkpoint_interval: int | None = None  # hybrid: the state is kept at multiples of this (a multiple of chunk_align)
     chunk_align: int = GDN_CHUNK  # hybrid: in-chunk checkpoints fall on multiples of this from the chunk's start
     tier_checkpoint_interval: int | None = None  # hybrid with tiers: interior prefixes copied out on multiples of this
+    spec_tokens: int = 0  # speculative decoding: drafts verified per decode step at most (0 = off)
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Sequence:
     keys: list[bytes] = field(default_factory=list)  # chained page keys, computed as tiers need them
     lookup_pending: bool = False  # a tier lookup is out: it waits (others may pass it)
     tier: TierHit | None = None  # the tier run its first admission may load, pinned by the worker
+    proposals: list[int] = field(default_factory=list)  # the drafter's guesses after its last token (spec)
 
     @property
     def total_len(self) -> int:
@@ -116,6 +118,9 @@ class Scheduler(Publishing):
         self.slots: SlotBook = SlotBook(table, min(limits.max_running, table.layout.slots))
         self.by_slot: dict[int, Sequence] = {}
         self.preemptions = 0  # sequences preempted for pages, ever
+        self.spec_verified = 0  # draft tokens verified, ever (speculative decoding)
+        self.spec_accepted = 0  # ... of them accepted
+        self.spec_histogram = [0] * (limits.spec_tokens + 1)  # verify chunks by drafts accepted
         self._step = itertools.count(1)
         self._admit_counter = itertools.count(1)
         self._ops: list[CacheOp] = []  # cache ops for the next plan, in emission order
@@ -297,10 +302,15 @@ class Scheduler(Publishing):
         next (the rank feeds it in: `Chunk.follows`), unless that token will surely finish it.
         """
         follows = seq.pending_samples > 0
+        drafts = 0
         if follows:
-            if seq.pending_samples > 1 or self._ends_with_pending(seq):
+            # a drafting sequence waits for its result: the next chunk carries the drafts that come with it
+            if self.limits.spec_tokens or seq.pending_samples > 1 or self._ends_with_pending(seq):
                 return None
             end, depths = seq.kv_len + 1, ()
+        elif seq.proposals and seq.kv_len == seq.total_len - 1:
+            drafts = self._drafts(seq, budget)
+            end, depths = seq.kv_len + 1 + drafts, ()
         else:
             end, depths = self._chunk_end(seq, seq.kv_len, budget)
         while True:
@@ -318,7 +328,24 @@ class Scheduler(Publishing):
                 return None
         seq.pages = list(grant.pages)
         self._ops.extend(grant.ops)
-        return self._chunk(seq, seq.kv_len, end, grant.checkpoints, follows)
+        return self._chunk(seq, seq.kv_len, end, grant.checkpoints, follows, drafts)
+
+    def _drafts(self, seq: Sequence, budget: int) -> int:
+        """How many of its proposals a decoding sequence verifies this step.
+
+        At most --spec-tokens, what the budget, max_tokens and the context leave room for, and, on a
+        hybrid model with the prefix cache, no further than the next page boundary: every boundary is
+        then a length the sequence stops at, where its rolling checkpoint saves (a verify chunk that
+        reaches the boundary, or a plain decode of its last token):
+
+            kv_len n   [x_n d_1 .. d_k]   n + k + 1 <= the next multiple of the page size
+        """
+        room = min(len(seq.proposals), self.limits.spec_tokens, budget - 1,
+                   seq.sampling.max_tokens - len(seq.output_ids) - 1, self.limits.max_context - seq.total_len - 1)
+        if self.limits.hybrid and self.coord.spec.prefix_cache:
+            ps = self.limits.page_size
+            room = min(room, (seq.kv_len // ps + 1) * ps - seq.kv_len - 1)
+        return max(0, room)
 
     def _ends_with_pending(self, seq: Sequence) -> bool:
         """The token in flight is its last by length (an EOS is only known when it returns)."""
@@ -402,11 +429,16 @@ class Scheduler(Publishing):
                 continue
 
     def _chunk(self, seq: Sequence, start: int, end: int, checkpoints: tuple[CheckpointRef, ...],
-               follows: bool = False) -> Chunk:
-        """The chunk [start, end) of the sequence; its K/V count as computed from now on."""
+               follows: bool = False, drafts: int = 0) -> Chunk:
+        """The chunk [start, end) of the sequence; its K/V count as computed from now on (a verify
+        chunk's drafts until its result says how many held: `_apply_verified`)."""
         self._write_row(seq, end)
         kept = [[ckpt.length - start, ckpt.slot] for ckpt in checkpoints]
         seq.kv_len = end
+        if drafts:  # its last token, then the drafts for the positions after it
+            tokens = [seq.output_ids[-1], *seq.proposals[:drafts]]
+            seq.pending_samples += 1
+            return Chunk(seq.slot, tokens, start, True, kept, False, drafts)
         # a following chunk's one token is the one its previous chunk samples: the rank feeds it in
         tokens = [0] if follows else seq.token_slice(start, end)
         sample = follows or end == seq.total_len
@@ -434,6 +466,7 @@ class Scheduler(Publishing):
         self._free_slot(seq)
         seq.kv_len = seq.done_len = 0
         seq.pending_samples = 0  # the results of its sent chunks are dropped
+        seq.proposals = []
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -466,8 +499,12 @@ class Scheduler(Publishing):
                 token = next(sampled) if chunk.sample else None
                 if seq.req_id not in self.running or seq.slot != chunk.slot:
                     continue  # aborted or preempted while the step ran: drop its token
+                if chunk.drafts:
+                    deltas.append(self._apply_verified(seq, chunk, token))
+                    continue
                 seq.done_len = chunk.start_pos + len(chunk.token_ids)
                 if token is not None:
+                    seq.proposals = list(token.proposals)
                     deltas.append(self._append_token(seq, token))
         self.slots.step_done(plan.step)
         return deltas
@@ -483,6 +520,38 @@ class Scheduler(Publishing):
             self.coord.flush()
             if self.tiers is not None:
                 self.tiers.poison()
+
+    def _apply_verified(self, seq: Sequence, chunk: Chunk, sampled) -> TokenDelta:
+        """A verify chunk's answer: `accepted` drafts held, so the K/V of positions up to
+        start + accepted are computed; the cursor moves back there (freeing the look-ahead pages),
+        that length publishes, and the emitted tokens (up to a finish) are appended."""
+        accepted = len(sampled.extra)
+        end = chunk.start_pos + 1 + accepted
+        seq.kv_len = seq.done_len = end
+        self.coord.rewind(seq.req_id, end)
+        self.spec_verified += chunk.drafts
+        self.spec_accepted += accepted
+        self.spec_histogram[accepted] += 1
+        seq.pending_samples -= 1
+        seq.proposals = list(sampled.proposals)
+        emitted = [sampled, *sampled.extra]
+        tokens, reason = [], None
+        for tok in emitted:
+            seq.output_ids.append(tok.token_id)
+            tokens.append(tok)
+            reason = self._finish_reason(seq, tok.token_id)
+            if reason is not None:
+                break
+        if end <= seq.total_len:  # what a finish mid-way leaves computed past its end is not a prefix of it
+            self._publish(seq, False, end)
+        lp = None if sampled.logprob is None else [t.logprob for t in tokens]
+        top = None if sampled.top_logprobs is None else [t.top_logprobs for t in tokens]
+        tiers = None
+        if reason is not None:
+            self._leave(seq, publish=True)
+            tiers = _tiers_of(seq)
+        return TokenDelta(seq.req_id, [t.token_id for t in tokens], lp, top, reason, len(seq.prompt_ids),
+                          seq.cached_tokens or 0, tiers)
 
     def _append_token(self, seq: Sequence, sampled) -> TokenDelta:
         seq.pending_samples -= 1

@@ -19,6 +19,7 @@ from hkv.ipc.messages import GenerateRequest, SamplingParams, StepPlan, StepResu
 
 INT64_MAX = 2**63 - 1  # request-table req_id is int64
 MAX_LOGPROBS = 20  # alternatives per token a sequence may ask for
+MAX_SPEC_TOKENS = 8  # --spec-tokens at most (hkv.config checks the flag against it)
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,19 @@ def _result(result: StepResult, plan: StepPlan, vocab_size: int) -> str | None:
     sampling_slots = [c.slot for c in plan.chunks if c.sample]
     if [s.slot for s in result.sampled] != sampling_slots:
         return f"sampled slots {[s.slot for s in result.sampled][:8]} do not match the plan's {sampling_slots[:8]}"
+    drafts = {c.slot: c.drafts for c in plan.chunks if c.sample}
     for s in result.sampled:
-        if not 0 <= s.token_id < vocab_size:
-            return f"sampled token id {s.token_id} outside the vocabulary"
-        if s.logprob is not None and math.isnan(s.logprob):
-            return "a NaN logprob"
-        if s.top_logprobs is not None and any(not 0 <= t.token_id < vocab_size for t in s.top_logprobs):
-            return "a top-logprob token id outside the vocabulary"
+        if len(s.extra) > drafts[s.slot]:
+            return f"{1 + len(s.extra)} tokens emitted for a chunk verifying {drafts[s.slot]} drafts"
+        if len(s.proposals) > MAX_SPEC_TOKENS:
+            return f"{len(s.proposals)} draft proposals (at most {MAX_SPEC_TOKENS})"
+        if any(not 0 <= t < vocab_size for t in s.proposals):
+            return "a draft proposal outside the vocabulary"
+        for tok in (s, *s.extra):
+            if not 0 <= tok.token_id < vocab_size:
+                return f"sampled token id {tok.token_id} outside the vocabulary"
+            if tok.logprob is not None and math.isnan(tok.logprob):
+                return "a NaN logprob"
+            if tok.top_logprobs is not None and any(not 0 <= t.token_id < vocab_size for t in tok.top_logprobs):
+                return "a top-logprob token id outside the vocabulary"
     return None

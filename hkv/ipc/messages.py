@@ -227,6 +227,9 @@ class Chunk(msgspec.Struct, frozen=True, array_like=True):
     # token_ids is [the token this slot's previous chunk samples]: that plan was sent before its
     # result was in (the router plans one step ahead), so the rank feeds that token in itself
     follows: bool = False
+    # speculative decoding (a verify chunk): the last `drafts` tokens of token_ids are draft proposals
+    # for the positions after token_ids[0]; the rank keeps only those the target agrees with
+    drafts: int = 0
 
 
 class StepPlan(msgspec.Struct, frozen=True, tag="plan"):
@@ -255,11 +258,23 @@ RankInbound = StepPlan | Shutdown
 # rank -> router
 
 
+class Emitted(msgspec.Struct, frozen=True, array_like=True):
+    """A token after the first that one chunk emits (speculative decoding)."""
+
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[TopLogprob] | None
+
+
 class Sampled(msgspec.Struct, frozen=True, array_like=True):
     slot: int
-    token_id: int
+    token_id: int  # the first token the chunk emits
     logprob: float | None  # the chosen token's logprob when requested
     top_logprobs: list[TopLogprob] | None
+    # speculative decoding: the tokens emitted after token_id (the accepted drafts after the first, then the
+    # target's own token), so a verify chunk with `drafts` proposals emits 1 + len(extra) <= drafts + 1 tokens
+    extra: list[Emitted] = []
+    proposals: list[int] = []  # the drafter's proposals for the positions after the last emitted token
 
 
 class StepResult(msgspec.Struct, frozen=True, tag="result"):

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from hkv.engine.validate import MAX_SPEC_TOKENS
+
 REGION = "router_stats"
-VERSION = 3
+VERSION = 4
 
 FIELDS = (
     "steps",  # steps run
@@ -46,6 +48,10 @@ FIELDS = (
     "malformed_router_results",  # counter: rank results dropped (undecodable, or not answering the plan)
     "malformed_rank_in",  # counter: plans rank 0 dropped (undecodable), as its results report
     "failed_steps",  # counter: steps whose result carried an error
+    "spec_verified",  # counter: draft tokens the target verified (speculative decoding)
+    "spec_accepted",  # counter: ... of them accepted
+    # counters: verify steps of one sequence that accepted i drafts, i = 0..MAX_SPEC_TOKENS
+    *(f"spec_accepted_{i}" for i in range(MAX_SPEC_TOKENS + 1)),
 )
 NBYTES = len(FIELDS) * 8
 

@@ -36,6 +36,9 @@ class ForwardBatch:
     meta: KernelMeta  # per-sequence lengths and offsets, kernel grids (hkv_kernels/meta.py)
     state_slots: torch.Tensor | None = None  # [B] int64, live linear-state slot per sequence (hybrid)
     checkpoints: CheckpointMeta | None = None  # prefill: states kept inside chunks (in-chunk checkpoints)
+    # speculative verify: [B, max q_len] state slot to write the linear state after each token into (-1: none);
+    # the live slots are then left as they were (the runner adopts the accepted position's)
+    keep_slots: torch.Tensor | None = None
 
     @classmethod
     def from_lists(

@@ -204,15 +204,18 @@ def _write_digest_cache(cache: Path, entries: dict[str, str]) -> None:
         pass
 
 
-def _build_empty(family: type, cfg: object, dtype: torch.dtype, device: str) -> torch.nn.Module:
+def _build_empty(family: type, cfg: object, dtype: torch.dtype, device: str, mtp: bool = False) -> torch.nn.Module:
     # construct without allocating or initializing, then allocate once on the target device
     with torch.device("meta"):
         model = family(cfg)
+        if mtp:
+            model.enable_mtp()
     return model.to(dtype=dtype).to_empty(device=device)
 
 
-def load_model(path: str | Path, dtype: str, device: str) -> LoadedModel:
-    """Build the checkpoint's model family on `device` in `dtype` and load its weights.
+def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False) -> LoadedModel:
+    """Build the checkpoint's model family on `device` in `dtype` and load its weights
+    (with mtp=True also its MTP module, `mtp.*`, for speculative decoding).
 
     dtype: float32 | bfloat16 | float16 (resolved, never "auto"). Raises ModelLoadError for
     a missing folder/config/weights/shard or unsupported tensors, ValueError for an
@@ -225,7 +228,7 @@ def load_model(path: str | Path, dtype: str, device: str) -> LoadedModel:
     family = resolve_family(hf_config)
     cfg = family.config_class.from_hf(hf_config)
     shards = find_weight_shards(folder)
-    model = _build_empty(family, cfg, TORCH_DTYPES[dtype], device)
+    model = _build_empty(family, cfg, TORCH_DTYPES[dtype], device, mtp)
     model.load_weights(iter_tensors(shards))
     model.eval()
     model.prepare_for_device()  # CUDA: fused projections (views of one weight; CPU: nothing)
@@ -258,11 +261,23 @@ def describe_model(path: str | Path) -> ModelSpec:
                       linear_k_dim=cfg.linear_key_head_dim, linear_v_dim=cfg.linear_value_head_dim,
                       conv_kernel=cfg.linear_conv_kernel_dim)
     return ModelSpec(
-        family=hf_config["model_type"], layer_kinds=kinds, vocab_size=cfg.vocab_size,
+        family=hf_config["model_type"], layer_kinds=kinds, vocab_size=cfg.vocab_size, mtp_layers=_mtp_layers(folder),
         max_context=cfg.max_position_embeddings, eos_ids=Tokenizer.from_folder(folder).eos_token_ids,
         hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim, declared_dtype=declared if isinstance(declared, str) else None, **linear,
     )
+
+
+def _mtp_layers(folder: Path) -> int:
+    """MTP layers whose weights (mtp.fc and mtp.layers.N.*) the folder's safetensors hold; 0 without weights
+    (a described folder need not have them yet: the rank's load says what is missing)."""
+    try:
+        names = [n for shard in find_weight_shards(folder) for n in shard.tensor_names]
+    except ModelLoadError:
+        return 0
+    if "mtp.fc.weight" not in names:
+        return 0
+    return len({n.split(".")[2] for n in names if n.startswith("mtp.layers.")})
 
 
 def meta_model(path: str | Path) -> torch.nn.Module:

@@ -273,13 +273,15 @@ class GatedDeltaNet(nn.Module):
         slots, num_tokens, checkpoints = batch.state_slots, qkv.shape[0], batch.checkpoints
         if checkpoints is not None:  # from the conv inputs, before anything may reuse their memory
             dispatch.conv_checkpoints(qkv, state.conv[s], checkpoints)
-        conv_out = dispatch.causal_conv1d(qkv, state.conv[s], self.conv1d.weight[:, 0], slots, batch.meta)  # [T, C]
+        conv_out = dispatch.causal_conv1d(qkv, state.conv[s], self.conv1d.weight[:, 0], slots, batch.meta,
+                                          keep_slots=batch.keep_slots)  # [T, C]
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(num_tokens, self.k_heads, self.k_dim)  # [T, Hk, Dk]
         k = k.reshape(num_tokens, self.k_heads, self.k_dim)  # [T, Hk, Dk]
         v = v.reshape(num_tokens, self.v_heads, self.v_dim)  # [T, Hv, Dv]
         return dispatch.gated_delta_rule(
-            q, k, v, a, b, (self.A_log, self.dt_bias), state.recurrent[s], slots, batch.meta, checkpoints=checkpoints
+            q, k, v, a, b, (self.A_log, self.dt_bias), state.recurrent[s], slots, batch.meta,
+            keep_slots=batch.keep_slots, checkpoints=checkpoints,
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, state: StatePool) -> torch.Tensor:
@@ -341,9 +343,22 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         self.rotary.max_positions = cfg.max_position_embeddings
+        self.mtp = None  # the MTP drafter (hkv.models.mtp), built by enable_mtp before loading
 
-    def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool | None = None) -> torch.Tensor:
-        """fp32 logits [S, vocab] of the rows batch.logits_indices; writes K/V pages and state slots."""
+    def mtp_mlp(self) -> nn.Module:
+        """The MLP of the MTP layer (the family's dense one here)."""
+        return MLP(self.cfg.hidden_size, self.cfg.intermediate_size)
+
+    def enable_mtp(self) -> None:
+        """Build the MTP module, so load_weights reads `mtp.*` instead of skipping it."""
+        from hkv.models.mtp import MTPModule
+
+        self.mtp = MTPModule(self.cfg, self.mtp_mlp())
+
+    def forward(self, batch: ForwardBatch, kv: KVPool, state: StatePool | None = None,
+                hidden_out: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits [S, vocab] of the rows batch.logits_indices; writes K/V pages and state slots.
+        hidden_out: also return every token's final-norm hidden state [T, hidden] (the drafter's input)."""
         if self.cfg.linear_layers and (state is None or batch.state_slots is None):
             raise ValueError("a hybrid model needs a StatePool and batch.state_slots")
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
@@ -353,8 +368,11 @@ class HybridForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, batch, kv, state)
         # the final norm is per token, so only the rows we return need it
         rows = batch.logits_indices
-        h, _ = self.model.norm(x[rows], residual[rows])  # [S, hidden]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if hidden_out:
+            hidden, _ = self.model.norm(x, residual)  # [T, hidden]
+            return F.linear(hidden[rows], weight).float(), hidden
+        h, _ = self.model.norm(x[rows], residual[rows])  # [S, hidden]
         return F.linear(h, weight).float()  # [S, vocab]
 
     def prepare_for_device(self) -> None:
@@ -390,10 +408,11 @@ class HybridForCausalLM(nn.Module):
         """Copy HF-named tensors in; raises WeightLoadError on missing, unexpected or mis-shaped ones.
 
         Accepts the text layout (`model.*`, `lm_head.*`) and the composite one
-        (`model.language_model.*`). `mtp.*` (the MTP head, not served yet) and
-        `model.visual.*` (the vision tower) are skipped with one log line each.
+        (`model.language_model.*`). `mtp.*` (the MTP head) is read into `self.mtp` after
+        enable_mtp and skipped otherwise; `model.visual.*` (the vision tower) is skipped; each
+        skip logs one line.
         """
-        skipped = {"mtp.": 0, "model.visual.": 0}
+        skipped = {"model.visual.": 0} if self.mtp is not None else {"mtp.": 0, "model.visual.": 0}
         tied = self.cfg.tie_word_embeddings
 
         def skip(name: str) -> bool:
@@ -411,8 +430,8 @@ class HybridForCausalLM(nn.Module):
                 yield name, tensor
 
         load_params(self, renamed(), skip)
-        if skipped["mtp."]:
-            log.info("ignoring %d MTP weights (mtp.*): not used yet", skipped["mtp."])
+        if skipped.get("mtp."):
+            log.info("ignoring %d MTP weights (mtp.*): speculative decoding is off", skipped["mtp."])
         if skipped["model.visual."]:
             log.info("ignoring %d vision weights (model.visual.*): hkv serves text only", skipped["model.visual."])
 

@@ -115,6 +115,11 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     # the MoE reference loop reads the routing on the host (unique experts), so no CUDA graph
     graph_safe = False
 
+    def mtp_mlp(self) -> nn.Module:
+        """Qwen3-Next's MTP layer routes experts like its decoder layers (a dense MLP without experts)."""
+        cfg = self.cfg
+        return SparseMoeBlock(cfg) if cfg.num_experts > 0 else MLP(cfg.hidden_size, cfg.intermediate_size)
+
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         layers = []
         for i in range(cfg.num_hidden_layers):

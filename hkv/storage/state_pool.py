@@ -65,13 +65,31 @@ class StateLayout:
 
 
 class StatePool:
-    """The conv and recurrent state tensors of all slots, allocated zeroed."""
+    """The conv and recurrent state tensors of all slots, allocated zeroed.
 
-    def __init__(self, layout: StateLayout) -> None:
+    With speculative decoding (`draft`, hkv.models.mtp.DraftSpec) a slot also holds the drafter's
+    state, in the model's dtype `draft_dtype`, so checkpoints carry it with the linear state:
+
+        mtp_hidden [slots, hidden]                 the target's hidden state at the slot's last position
+        draft_k / draft_v [slots, W, kv_heads, head_dim]   the draft layer's ring (window W > 0 only)
+    """
+
+    def __init__(self, layout: StateLayout, draft=None, draft_dtype: torch.dtype = torch.float32) -> None:
         self.layout: StateLayout = layout
         dtype, device = layout.torch_dtype, torch.device(layout.device)
         self.conv: torch.Tensor = torch.zeros(layout.conv_shape, dtype=dtype, device=device)
         self.recurrent: torch.Tensor = torch.zeros(layout.recurrent_shape, dtype=dtype, device=device)
+        self.draft = draft
+        self.mtp_hidden: torch.Tensor | None = None
+        self.draft_k: torch.Tensor | None = None
+        self.draft_v: torch.Tensor | None = None
+        if draft is not None:
+            n = layout.num_slots
+            self.mtp_hidden = torch.zeros(n, draft.hidden_size, dtype=draft_dtype, device=device)
+            if draft.window:
+                ring = (n, draft.window, draft.kv_heads, draft.head_dim)
+                self.draft_k = torch.zeros(ring, dtype=draft_dtype, device=device)
+                self.draft_v = torch.zeros(ring, dtype=draft_dtype, device=device)
         layer_ids = layout.layer_ids or tuple(range(layout.lin_layers))
         # model layer -> storage layer
         self.layer_map: dict[int, int] = {layer: i for i, layer in enumerate(layer_ids)}
@@ -99,9 +117,20 @@ class StatePool:
             return
         self.conv[:, dst].copy_(self.conv[:, src])
         self.recurrent[:, dst].copy_(self.recurrent[:, src])
+        for t in self.draft_tensors():
+            t[dst].copy_(t[src])
+
+    def draft_tensors(self) -> list[torch.Tensor]:
+        """The drafter's per-slot tensors (slot-major), empty without speculative decoding."""
+        return [t for t in (self.mtp_hidden, self.draft_k, self.draft_v) if t is not None]
+
+    def draft_bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.draft_tensors())
 
     def zero_slot(self, slot: int) -> None:
         """Reset `slot` to the state of an empty prefix (before a fresh sequence's first token)."""
         self._check_slot(slot)
         self.conv[:, slot].zero_()
         self.recurrent[:, slot].zero_()
+        for t in self.draft_tensors():
+            t[slot].zero_()

@@ -16,10 +16,11 @@ EOS = 99
 
 
 def make(num_pages=16, page_size=4, max_running=4, budget=8, max_context=256, prefix_cache=False,
-         hybrid=False, interval=None, state_slots=0, align=64, max_pages=64):
+         hybrid=False, interval=None, state_slots=0, align=64, max_pages=64, spec_tokens=0):
     layout = TableLayout(slots=max_running, max_pages=max_pages)
     table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-    limits = SchedulerLimits(page_size, max_running, budget, max_context, frozenset({EOS}), hybrid, interval, align)
+    limits = SchedulerLimits(page_size, max_running, budget, max_context, frozenset({EOS}), hybrid, interval, align,
+                             spec_tokens=spec_tokens)
     spec = CacheSpec(page_size, num_pages, state_slots, 0, hybrid, interval, prefix_cache)
     return Scheduler(limits, CacheCoordinator(spec), table)
 

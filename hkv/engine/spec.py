@@ -1,0 +1,200 @@
+"""Speculative decoding on a rank: verify the router's drafts in one target forward, keep what agrees, draft again.
+
+A plan's chunks split in two forwards:
+
+    plain   prefill chunks and decodes without drafts (Chunk.drafts == 0): the usual forward
+    verify  [x_n, d_1 .. d_k] at positions n .. n + k: logits at every row, and the linear state
+            after every token kept in scratch slots (keep_slots), the live slots left as they were
+
+Verification (hkv.engine.spec_verify) accepts a drafts and emits them plus the
+target's own next token. The state after token n + a (scratch slot a of the
+row) becomes the live state; the K/V written at rejected positions lie past
+the sequence's new length, where the router's cursor moved back to, and are
+overwritten later. Then the drafter (hkv.models.mtp) commits the accepted
+tokens' MTP entries and proposes the next drafts, which travel back in the
+result (Sampled.proposals); the router sends them in the next verify chunk.
+
+Scratch slots: the rank allocates rows * (k + 1) state slots past the
+router's (and the graph scratch slot): row r's token t keeps its state in
+`keep_base + r * (k + 1) + t`. They are never a checkpoint's and never leave
+the rank.
+
+Everything waits for the step's tokens on the host before drafting (the next
+plan depends on them anyway: the router does not plan a drafting sequence
+ahead of its result).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from hkv.engine.sampler import SampleRow, sample
+from hkv.engine.spec_verify import verify
+from hkv.engine.step_inputs import StepInputs
+from hkv.ipc.messages import Chunk, Emitted, Sampled, StepPlan
+from hkv.models.batch import ForwardBatch
+from hkv.models.mtp import DraftRow, Drafter, DraftSpec, DraftStore
+
+# tests: (request-table row, position of the first proposal, the drafter's proposals) -> the proposals to send
+Proposer = Callable[[int, int, list[int]], list[int]]
+
+
+class SpecDecoder:
+    """The speculative half of a ModelRunner (which owns the pools, the table and the sampling params)."""
+
+    def __init__(self, runner, spec_tokens: int, drafter: Drafter, keep_base: int) -> None:
+        self.runner = runner
+        self.k = spec_tokens
+        self.drafter = drafter
+        self.keep_base = keep_base
+        self.propose: Proposer | None = None
+
+    def keep_slot(self, row: int, t: int) -> int:
+        return self.keep_base + row * (self.k + 1) + t
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> list[Sampled]:
+        """Forward, verify, adopt, commit and draft; the Sampled of every sampling chunk, in plan order."""
+        chunks = plan.chunks
+        if any(c.follows for c in chunks):
+            raise ValueError("a drafting rank got a chunk planned ahead of its result (Chunk.follows)")
+        plain = [c for c in chunks if c.drafts == 0]
+        checking = [c for c in chunks if c.drafts > 0]
+        out: dict[int, tuple[list, list[int], torch.Tensor]] = {}  # slot -> (emitted, committed tokens, hidden)
+        if plain:
+            logits, hidden = self._forward(plain, verify_rows=False)
+            rows = [c for c in plain if c.sample]
+            outs = sample(logits, [self._row(c, c.start_pos + len(c.token_ids)) for c in rows]) if rows else []
+            emitted = dict(zip((c.slot for c in rows), outs))
+            start = 0
+            for c in plain:
+                n = len(c.token_ids)
+                out[c.slot] = ([emitted[c.slot]] if c.sample else [], c.token_ids, hidden[start:start + n])
+                start += n
+        if checking:
+            logits, hidden = self._forward(checking, verify_rows=True)
+            start = 0
+            for c in checking:
+                n = len(c.token_ids)
+                v = verify(logits[start:start + n], c.token_ids[1:], self._row(c, c.start_pos + 1))
+                self._adopt(c, v.accepted)
+                out[c.slot] = (v.outputs, c.token_ids[:v.accepted + 1], hidden[start:start + v.accepted + 1])
+                start += n
+        return self._draft(chunks, out)
+
+    def _row(self, c: Chunk, position: int) -> SampleRow:
+        return SampleRow(self.runner.sampling[c.slot], position)
+
+    def _forward(self, chunks: list[Chunk], verify_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over `chunks`: (logits of the sampled rows, or of every row when verifying;
+        every token's final-norm hidden state)."""
+        r = self.runner
+        inputs = StepInputs.of(chunks, r.table, r.page_size, r.state_slots)
+        device = r.device
+        page_rows = torch.from_numpy(inputs.page_rows(r.table)).to(device)
+        logits_idx = np.arange(len(inputs.input_ids)) if verify_rows else inputs.logits_indices
+        batch = ForwardBatch.from_lists(
+            inputs.input_ids, inputs.positions, inputs.q_lens, inputs.kv_lens, page_rows, inputs.slot_mapping,
+            logits_idx, state_slots=inputs.state_slots, checkpoints=inputs.checkpoints,
+            attn_dims=(*r.attn_dims, r.kv.k.dtype),
+        )
+        if verify_rows:
+            width = int(inputs.q_lens.max())
+            keep = np.full((len(chunks), width), -1, dtype=np.int64)
+            for b, c in enumerate(chunks):
+                keep[b, : len(c.token_ids)] = [self.keep_slot(c.slot, t) for t in range(len(c.token_ids))]
+            batch = _with_keep(batch, torch.from_numpy(keep).to(device))
+        return r.model(batch, r.kv, r.state, hidden_out=True)
+
+    def _adopt(self, c: Chunk, accepted: int) -> None:
+        """The linear state after the last accepted token becomes the live one (conv and recurrent only:
+        the drafter's part of the live slot moves on in commit)."""
+        state, live = self.runner.state, self.runner.state_slots[c.slot]
+        src = self.keep_slot(c.slot, accepted)
+        state.conv[:, live].copy_(state.conv[:, src])
+        state.recurrent[:, live].copy_(state.recurrent[:, src])
+
+    def _draft(self, chunks: list[Chunk], out: dict) -> list[Sampled]:
+        r, drafter = self.runner, self.drafter
+        results = []
+        for c in chunks:
+            emitted, committed, hidden = out[c.slot]
+            live = r.state_slots[c.slot]
+            pages = r.table.page_ids[c.slot].tolist() if not drafter.store.spec.window else []
+            segments = _segments(c, len(committed))
+            for lo, hi, ckpt_slot in segments:  # in-chunk checkpoints take the drafter's state at their depth
+                drafter.commit(DraftRow(live, pages, committed[lo:hi], c.start_pos + lo,
+                                        _shifted(hidden, lo, hi), hidden[hi - 1], None, 0))
+                if ckpt_slot is not None:
+                    for t in r.state.draft_tensors():
+                        t[ckpt_slot].copy_(t[live])
+            if not c.sample:
+                continue
+            proposals: list[int] = []
+            if self.k:
+                L = c.start_pos + len(committed)
+                row = DraftRow(live, pages, [], L, hidden[:0], None, emitted[-1].token_id, self.k)
+                proposals = drafter.draft(row)
+                if self.propose is not None:
+                    proposals = list(self.propose(c.slot, L + 1, proposals))[: self.k]
+            first, rest = emitted[0], emitted[1:]
+            results.append(Sampled(c.slot, first.token_id, first.logprob, first.top_logprobs,
+                                   [Emitted(o.token_id, o.logprob, o.top_logprobs) for o in rest], proposals))
+        return results
+
+
+def _with_keep(batch: ForwardBatch, keep: torch.Tensor) -> ForwardBatch:
+    return replace(batch, keep_slots=keep)
+
+
+def _shifted(hidden: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows lo..hi-1 of the commit's hidden input: entry i pairs token i with h_{i-1} (row i - 1); the
+    first row of the chunk is a placeholder (the stored hidden state replaces it)."""
+    if lo == 0:
+        return torch.cat([hidden[:1], hidden[: hi - 1]])
+    return hidden[lo - 1 : hi - 1]
+
+
+def _segments(c: Chunk, committed: int) -> list[tuple[int, int, int | None]]:
+    """The committed tokens cut at the chunk's in-chunk checkpoints: (lo, hi, checkpoint slot at hi or None)."""
+    cuts = [(tokens, slot) for tokens, slot in c.checkpoints if 0 < tokens < committed]
+    out, lo = [], 0
+    for tokens, slot in cuts:
+        out.append((lo, tokens, slot))
+        lo = tokens
+    if lo < committed:
+        out.append((lo, committed, None))
+    return out
+
+
+def draft_spec(model, window: int) -> DraftSpec:
+    """The drafter's state shapes for `model` with draft window `window` (0 = paged, full length)."""
+    c = model.cfg
+    return DraftSpec(window, c.hidden_size, c.num_key_value_heads, c.head_dim)
+
+
+def keep_slots_needed(rows: int, spec_tokens: int) -> int:
+    """Scratch state slots a rank adds past the router's for the verify states of `rows` table rows."""
+    return rows * (spec_tokens + 1) if spec_tokens else 0
+
+
+def with_paged_draft(model, layout, layer_map: dict[int, int], draft: DraftSpec | None):
+    """(layout, layer_map) of the KV pool, one storage layer longer when the draft K/V are paged (W = 0);
+    the draft layer is model layer cfg.num_hidden_layers."""
+    layer_map = dict(layer_map)
+    if draft is not None and not draft.window:
+        layer_map[model.cfg.num_hidden_layers] = layout.num_layers
+        layout = replace(layout, num_layers=layout.num_layers + 1)
+    return layout, layer_map
+
+
+def attach(runner, draft: DraftSpec, spec_tokens: int, keep_base: int) -> SpecDecoder:
+    """Make `runner` (its model loaded with the MTP module, its pools built with `draft`) speculate."""
+    model, kv = runner.model, runner.kv
+    store = DraftStore(draft, runner.state, kv, kv.layer_map.get(model.cfg.num_hidden_layers), runner.page_size)
+    runner.spec = SpecDecoder(runner, spec_tokens, Drafter(model, store), keep_base)
+    return runner.spec
