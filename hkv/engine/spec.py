@@ -119,56 +119,46 @@ class SpecDecoder:
         state.recurrent[:, live].copy_(state.recurrent[:, src])
 
     def _draft(self, chunks: list[Chunk], out: dict) -> list[Sampled]:
+        """Commit every chunk's kept tokens, then draft after every sampling chunk's last emitted token."""
         r, drafter = self.runner, self.drafter
-        results = []
+        paged = not drafter.store.spec.window
+        rows = []
         for c in chunks:
             emitted, committed, hidden = out[c.slot]
-            live = r.state_slots[c.slot]
-            pages = r.table.page_ids[c.slot].tolist() if not drafter.store.spec.window else []
-            segments = _segments(c, len(committed))
-            for lo, hi, ckpt_slot in segments:  # in-chunk checkpoints take the drafter's state at their depth
-                drafter.commit(DraftRow(live, pages, committed[lo:hi], c.start_pos + lo,
-                                        _shifted(hidden, lo, hi), hidden[hi - 1], None, 0))
-                if ckpt_slot is not None:
-                    for t in r.state.draft_tensors():
-                        t[ckpt_slot].copy_(t[live])
+            end = c.start_pos + len(committed)
+            flat = self._flat(c.slot, end) if paged else None
+            ckpts = tuple((c.start_pos + tokens, slot) for tokens, slot in c.checkpoints
+                          if 0 < tokens < len(committed))
+            rows.append(DraftRow(r.state_slots[c.slot], list(committed), c.start_pos, hidden,
+                                 emitted[-1].token_id if c.sample else None, flat, ckpts))
+        drafter.commit(rows)
+        drafting = [row for row in rows if row.next_token is not None]
+        proposals = iter(drafter.draft(drafting, self.k) if self.k else [[] for _ in drafting])
+        results = []
+        for c, row in zip(chunks, rows):
             if not c.sample:
                 continue
-            proposals: list[int] = []
-            if self.k:
-                L = c.start_pos + len(committed)
-                row = DraftRow(live, pages, [], L, hidden[:0], None, emitted[-1].token_id, self.k)
-                proposals = drafter.draft(row)
-                if self.propose is not None:
-                    proposals = list(self.propose(c.slot, L + 1, proposals))[: self.k]
-            first, rest = emitted[0], emitted[1:]
-            results.append(Sampled(c.slot, first.token_id, first.logprob, first.top_logprobs,
-                                   [Emitted(o.token_id, o.logprob, o.top_logprobs) for o in rest], proposals))
+            emitted = out[c.slot][0]
+            guess = next(proposals)
+            if self.propose is not None:
+                first = row.commit_start + len(row.commit_tokens) + 1
+                guess = list(self.propose(c.slot, first, guess))[: self.k]
+            head, rest = emitted[0], emitted[1:]
+            results.append(Sampled(c.slot, head.token_id, head.logprob, head.top_logprobs,
+                                   [Emitted(o.token_id, o.logprob, o.top_logprobs) for o in rest], guess))
         return results
+
+    def _flat(self, row: int, n: int) -> torch.Tensor:
+        """Flat KV slots of positions 0 .. n - 1 of a request-table row, from its page ids."""
+        P = self.runner.page_size
+        pages = self.runner.table.page_ids[row]
+        positions = np.arange(n)
+        page = pages[np.minimum(positions // P, len(pages) - 1)].astype(np.int64)
+        return torch.from_numpy(page * P + positions % P)
 
 
 def _with_keep(batch: ForwardBatch, keep: torch.Tensor) -> ForwardBatch:
     return replace(batch, keep_slots=keep)
-
-
-def _shifted(hidden: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Rows lo..hi-1 of the commit's hidden input: entry i pairs token i with h_{i-1} (row i - 1); the
-    first row of the chunk is a placeholder (the stored hidden state replaces it)."""
-    if lo == 0:
-        return torch.cat([hidden[:1], hidden[: hi - 1]])
-    return hidden[lo - 1 : hi - 1]
-
-
-def _segments(c: Chunk, committed: int) -> list[tuple[int, int, int | None]]:
-    """The committed tokens cut at the chunk's in-chunk checkpoints: (lo, hi, checkpoint slot at hi or None)."""
-    cuts = [(tokens, slot) for tokens, slot in c.checkpoints if 0 < tokens < committed]
-    out, lo = [], 0
-    for tokens, slot in cuts:
-        out.append((lo, tokens, slot))
-        lo = tokens
-    if lo < committed:
-        out.append((lo, committed, None))
-    return out
 
 
 def draft_spec(model, window: int) -> DraftSpec:

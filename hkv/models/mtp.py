@@ -111,6 +111,22 @@ class MTPModule(nn.Module):
         )
         return q, gate, k_out[:, 0], v_out[:, 0], residual
 
+    def finish_batch(self, q: torch.Tensor, gate: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     visible: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """One query per row, q [B, Hq, D], over keys/values [B, M, Hkv, D] where `visible` [B, M] ->
+        the entries' outputs [B, H] after mtp.norm."""
+        att = self.layer.self_attn
+        B = q.shape[0]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=visible[:, None, None],
+            scale=att.scale, enable_gqa=True,
+        )[:, :, 0]  # [B, Hq, D]
+        out = out * torch.sigmoid(gate)
+        h = att.o_proj(out.reshape(B, -1))
+        h, residual = self.layer.post_attention_layernorm(h, residual)
+        h, _ = self.norm(self.layer.mlp(h), residual)
+        return h
+
     def finish(self, q: torch.Tensor, gate: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                residual: torch.Tensor) -> torch.Tensor:
         """One query row [1, Hq, D] over its keys/values [m, Hkv, D] (all visible) -> the entry's output
@@ -136,40 +152,28 @@ class DraftStore:
         self.layer = layer  # its storage layer
         self.page_size = page_size
 
-    def write(self, slot: int, pages: list[int], positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Entries at `positions` [n] (k, v [n, Hkv, D]) of the sequence in state slot `slot` / `pages`."""
-        W = self.spec.window
-        if W:
-            rows = torch.full_like(positions, slot)
-            dispatch.ring_write(self.state.draft_k, rows, positions, k)
-            dispatch.ring_write(self.state.draft_v, rows, positions, v)
+    def write(self, slots: torch.Tensor, flat: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Entries at `positions` [n] (k, v [n, Hkv, D]) of the sequences in state slots `slots` [n]; paged:
+        at the flat KV slots `flat` [n] (page * page_size + offset). A ring takes at most W entries of a
+        slot per call (the caller keeps the last W)."""
+        if self.spec.window:
+            dispatch.ring_write(self.state.draft_k, slots, positions, k.contiguous())
+            dispatch.ring_write(self.state.draft_v, slots, positions, v.contiguous())
             return
-        flat = self._flat_slots(pages, positions)
         kc, vc = self.kv.k[self.layer], self.kv.v[self.layer]
         kc.view(-1, *kc.shape[2:]).index_copy_(0, flat, k.to(kc.dtype))
         vc.view(-1, *vc.shape[2:]).index_copy_(0, flat, v.to(vc.dtype))
 
-    def read(self, slot: int, pages: list[int], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The committed entries at positions [lo, hi): k, v [hi - lo, Hkv, D]."""
-        device = self.state.mtp_hidden.device
-        positions = torch.arange(lo, hi, device=device)
+    def read(self, slot: int, flat: torch.Tensor | None, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's committed entries at positions [lo, hi): k, v [hi - lo, Hkv, D] (tests);
+        paged: `flat` holds the flat KV slots of positions 0 .. hi - 1."""
         if self.spec.window:
-            idx = positions % self.spec.window
+            idx = torch.arange(lo, hi, device=self.state.mtp_hidden.device) % self.spec.window
             return self.state.draft_k[slot].index_select(0, idx), self.state.draft_v[slot].index_select(0, idx)
-        flat = self._flat_slots(pages, positions)
         kc, vc = self.kv.k[self.layer], self.kv.v[self.layer]
-        return (kc.reshape(-1, *kc.shape[2:]).index_select(0, flat),
-                vc.reshape(-1, *vc.shape[2:]).index_select(0, flat))
-
-    def visible(self, position: int) -> int:
-        """The first committed position an entry at `position` attends to (entries start at 1)."""
-        W = self.spec.window
-        return max(1, position - W + 1) if W else 1
-
-    def _flat_slots(self, pages: list[int], positions: torch.Tensor) -> torch.Tensor:
-        P = self.page_size
-        table = torch.tensor(pages, dtype=torch.long, device=positions.device)
-        return table[positions // P] * P + positions % P
+        return (kc.reshape(-1, *kc.shape[2:]).index_select(0, flat[lo:hi]),
+                vc.reshape(-1, *vc.shape[2:]).index_select(0, flat[lo:hi]))
 
 
 @dataclass(frozen=True)
@@ -177,81 +181,135 @@ class DraftRow:
     """One sequence's part of a drafting step."""
 
     state_slot: int
-    pages: list[int]  # its page ids (W = 0), in order
-    commit_tokens: list[int]  # the tokens whose entries to write (accepted this step), at positions
+    commit_tokens: list[int]  # the tokens whose entries to write (the ones the target kept), at positions
     commit_start: int  # ... commit_start, commit_start + 1, ...
-    commit_hidden: torch.Tensor  # [len(commit_tokens), H]: the target's hidden states at the positions before them
-    # (row 0 is ignored when the stored h_{start-1} is used, see Drafter.step)
-    last_hidden: torch.Tensor | None  # [H] the target's hidden state at the last committed position
+    hidden: torch.Tensor  # [len(commit_tokens), H] the target's hidden states AT those positions
     next_token: int | None  # the token just emitted (drafting starts from it); None: nothing to draft
-    count: int  # proposals to make
+    flat: torch.Tensor | None = None  # paged (W = 0): flat KV slots of positions 0 .. end (end included)
+    checkpoints: tuple[tuple[int, int], ...] = ()  # (depth, state slot): in-chunk checkpoints to give its state
 
 
 class Drafter:
-    """Commit and draft for a batch of sequences with the model's MTP module."""
+    """Commit and draft for a batch of sequences with the model's MTP module, batched across sequences."""
 
     def __init__(self, model, store: DraftStore) -> None:
         self.model = model
         self.mtp: MTPModule = model.mtp
         self.store = store
 
-    def embed(self, tokens: list[int], device) -> torch.Tensor:
-        return self.model.model.embed_tokens(torch.tensor(tokens, dtype=torch.long, device=device))
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(tokens)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.model.model.embed_tokens.weight if self.model.lm_head is None else self.model.lm_head.weight
         return F.linear(h, weight).float()
 
-    @torch.inference_mode()
-    def step(self, rows: list[DraftRow]) -> list[list[int]]:
-        """Commit every row's accepted entries, then draft its proposals; returns them per row."""
-        out = []
-        for row in rows:
-            self.commit(row)
-            out.append(self.draft(row) if row.next_token is not None and row.count > 0 else [])
-        return out
-
-    def commit(self, row: DraftRow) -> None:
-        """Write the entries of commit_tokens (positions commit_start...) and store the new h_{L-1}."""
-        state = self.store.state
-        n = len(row.commit_tokens)
-        if n:
-            device = state.mtp_hidden.device
-            # entry p pairs h_{p-1} with token p: the first one's hidden is the stored one
-            hidden = row.commit_hidden.clone()
-            hidden[0] = state.mtp_hidden[row.state_slot]
-            positions = torch.arange(row.commit_start, row.commit_start + n, device=device)
-            keep = positions >= 1  # position 0 has no entry
-            if bool(keep.any()):
-                x = self.mtp.entry_input(hidden[keep], self.embed(row.commit_tokens, device)[keep])
-                _, _, k, v, _ = self.mtp.project(x, positions[keep], self.model.rotary)
-                self.store.write(row.state_slot, row.pages, positions[keep], k, v)
-        if row.last_hidden is not None:
-            state.mtp_hidden[row.state_slot].copy_(row.last_hidden)
-
-    def draft(self, row: DraftRow) -> list[int]:
-        """`count` greedy guesses after next_token, from the committed entries and the chain so far."""
-        state, store = self.store.state, self.store
+    def commit(self, rows: list[DraftRow]) -> None:
+        """Write every row's entries (entry p pairs h_{p-1} with token p; the first one's h is the stored
+        one), give its in-chunk checkpoints the drafter's state at their depth, and store its new
+        h_{L-1}. Only K/V are needed, no attention."""
+        state, store, W = self.store.state, self.store, self.store.spec.window
+        rows = [r for r in rows if r.commit_tokens]
+        if not rows:
+            return
         device = state.mtp_hidden.device
-        L = row.commit_start + len(row.commit_tokens)  # committed length; next_token sits at L
-        hidden = state.mtp_hidden[row.state_slot][None]  # [1, H]: h_{L-1}
-        token = row.next_token
-        keys, values = [], []
-        lo = store.visible(L)
-        if lo < L:
-            k_old, v_old = store.read(row.state_slot, row.pages, lo, L)
-            keys, values = [k_old], [v_old]
-        first_key = lo  # position of the first key kept in keys/values
-        proposals = []
-        for j in range(row.count):
-            p = L + j
-            x = self.mtp.entry_input(hidden, self.embed([token], device))
-            q, gate, k, v, residual = self.mtp.project(x, torch.tensor([p], device=device), self.model.rotary)
-            keys.append(k)
-            values.append(v)
-            k_all, v_all = torch.cat(keys), torch.cat(values)
-            start = store.visible(p) - first_key  # a window drops the oldest keys as the chain grows
-            hidden = self.mtp.finish(q, gate, k_all[start:], v_all[start:], residual)
-            token = int(self.logits(hidden).argmax(dim=-1))
-            proposals.append(token)
-        return proposals
+        hidden, tokens, positions, slots, flat = [], [], [], [], []
+        for r in rows:
+            n = len(r.commit_tokens)
+            hidden += [state.mtp_hidden[r.state_slot][None], r.hidden[: n - 1]]
+            tokens += r.commit_tokens
+            positions.append(torch.arange(r.commit_start, r.commit_start + n))
+            slots += [r.state_slot] * n
+            if not W:
+                flat.append(r.flat[r.commit_start : r.commit_start + n].cpu())
+        h_in = torch.cat(hidden)
+        pos = torch.cat(positions).to(device)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        x = self.mtp.entry_input(h_in, self.embed(torch.tensor(tokens, dtype=torch.long, device=device)))
+        _, _, k, v, _ = self.mtp.project(x, pos, self.model.rotary)
+        for r in rows:  # in-chunk checkpoints first: they read the ring as it was before this chunk
+            self._checkpoint_states(r, k, v, rows, positions)
+        # entry 0 does not exist; a ring keeps each slot's last W entries (one write per ring cell)
+        ends = torch.cat([torch.full((len(r.commit_tokens),), r.commit_start + len(r.commit_tokens)) for r in rows])
+        keep = (pos >= 1) & ((pos >= ends.to(device) - W) if W else True)
+        if bool(keep.any()):
+            store.write(slot_t[keep], torch.cat(flat).to(device)[keep] if not W else None, pos[keep], k[keep], v[keep])
+        for r in rows:
+            state.mtp_hidden[r.state_slot].copy_(r.hidden[len(r.commit_tokens) - 1])
+
+    def _checkpoint_states(self, r: DraftRow, k, v, rows, positions) -> None:
+        """An in-chunk checkpoint at depth d gets h_{d-1} and, with a ring, the entries d - W + 1 .. d - 1."""
+        if not r.checkpoints:
+            return
+        state, W = self.store.state, self.store.spec.window
+        offset = sum(len(o.commit_tokens) for o in rows[: rows.index(r)])
+        for depth, ckpt in r.checkpoints:
+            state.mtp_hidden[ckpt].copy_(r.hidden[depth - r.commit_start - 1])
+            if not W:
+                continue
+            state.draft_k[ckpt].copy_(state.draft_k[r.state_slot])
+            state.draft_v[ckpt].copy_(state.draft_v[r.state_slot])
+            lo = max(r.commit_start, depth - W + 1, 1)
+            if lo >= depth:
+                continue
+            idx = torch.arange(offset + lo - r.commit_start, offset + depth - r.commit_start)
+            pos = torch.arange(lo, depth, device=k.device)
+            ids = torch.full_like(pos, ckpt)
+            dispatch.ring_write(state.draft_k, ids, pos, k[idx.to(k.device)].contiguous())
+            dispatch.ring_write(state.draft_v, ids, pos, v[idx.to(k.device)].contiguous())
+
+    def draft(self, rows: list[DraftRow], count: int) -> list[list[int]]:
+        """`count` greedy guesses per row after its next_token, all rows at once: the entry at L (the
+        stored h_{L-1} and next_token), then each guess's entry from the previous output."""
+        rows = [r for r in rows]
+        if not rows or count <= 0:
+            return [[] for _ in rows]
+        state, store, W = self.store.state, self.store, self.store.spec.window
+        device = state.mtp_hidden.device
+        B = len(rows)
+        L = torch.tensor([r.commit_start + len(r.commit_tokens) for r in rows], dtype=torch.long, device=device)
+        slots = torch.tensor([r.state_slot for r in rows], dtype=torch.long, device=device)
+        old_k, old_v, old_pos = self._committed(rows, L, slots)  # [B, M, Hkv, D] x2, [B, M] (-1: none)
+        hidden = state.mtp_hidden.index_select(0, slots)  # [B, H]
+        token = torch.tensor([r.next_token for r in rows], dtype=torch.long, device=device)
+        new_k, new_v, out = [], [], []
+        for j in range(count):
+            p = L + j  # [B] the entries' positions
+            x = self.mtp.entry_input(hidden, self.embed(token))
+            q, gate, k, v, residual = self.mtp.project(x, p, self.model.rotary)
+            new_k.append(k[:, None])
+            new_v.append(v[:, None])
+            keys = torch.cat([old_k, *new_k], dim=1)  # [B, M + j + 1, Hkv, D]
+            values = torch.cat([old_v, *new_v], dim=1)
+            key_pos = torch.cat([old_pos, p[:, None] - torch.arange(j, -1, -1, device=device)[None]], dim=1)
+            visible = (key_pos >= 1) & (key_pos <= p[:, None])
+            if W:
+                visible &= key_pos > (p[:, None] - W)
+            hidden = self.mtp.finish_batch(q, gate, keys, values, visible, residual)  # [B, H]
+            token = self.logits(hidden).argmax(dim=-1)
+            out.append(token)
+        return torch.stack(out, dim=1).tolist()
+
+    def _committed(self, rows, L, slots):
+        """The committed draft K/V every row's drafts may see, padded: ring mode its W cells, paged mode
+        positions 1 .. L - 1; with each key's position (-1 for padding)."""
+        store, W = self.store, self.store.spec.window
+        device = L.device
+        if W:
+            cells = torch.arange(W, device=device)[None]  # [1, W]
+            last = (L - 1)[:, None]
+            pos = last - torch.remainder(last - cells, W)  # the newest position each cell holds (< L)
+            pos = torch.where(pos >= 1, pos, torch.full_like(pos, -1))
+            return store.state.draft_k.index_select(0, slots), store.state.draft_v.index_select(0, slots), pos
+        M = max(1, int(L.max()) - 1)
+        kc, vc = store.kv.k[store.layer], store.kv.v[store.layer]
+        kflat, vflat = kc.reshape(-1, *kc.shape[2:]), vc.reshape(-1, *vc.shape[2:])
+        flat = torch.zeros(len(rows), M, dtype=torch.long)
+        pos = torch.full((len(rows), M), -1, dtype=torch.long)
+        for b, r in enumerate(rows):
+            n = r.commit_start + len(r.commit_tokens) - 1  # positions 1 .. L - 1
+            if n > 0:
+                flat[b, :n] = r.flat[1 : n + 1].cpu()
+                pos[b, :n] = torch.arange(1, n + 1)
+        flat, pos = flat.to(device), pos.to(device)
+        return kflat[flat], vflat[flat], pos

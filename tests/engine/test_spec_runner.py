@@ -147,7 +147,8 @@ def test_controlled_drafters_keep_every_state_the_run_without_them_has(model, wi
             hidden, k, v = _reference_entries(model, seq.all_ids()[:L])
             torch.testing.assert_close(r.state.mtp_hidden[slot], hidden[L - 1], rtol=1e-4, atol=1e-5)
             positions = range(max(1, L - window), L) if window else range(1, L)
-            got_k, got_v = e.spec.drafter.store.read(slot, seq.pages, positions[0], L)
+            flat = torch.tensor([seq.pages[i // PAGE] * PAGE + i % PAGE for i in range(L)])
+            got_k, got_v = e.spec.drafter.store.read(slot, flat, positions[0], L)
             torch.testing.assert_close(got_k, k[positions[0] - 1 : L - 1], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(got_v, v[positions[0] - 1 : L - 1], rtol=1e-4, atol=1e-5)
             checked.append(L)
@@ -164,23 +165,35 @@ def test_controlled_drafters_keep_every_state_the_run_without_them_has(model, wi
         assert 0 < s.spec_accepted < s.spec_verified
 
 
-def test_second_requests_hit_the_cached_prefix_and_keep_drafting(model):
-    """A prompt sharing a 64-token prefix restores the checkpoint there, draft window and hidden state
-    included: the MTP drafter proposes exactly what it proposes in a cold run of that prompt."""
-    base = _requests([70], max_tokens=8)[0]
-    again = GenerateRequest(2, base.prompt_ids[:66] + [11, 12, 13], base.sampling)
+@pytest.mark.parametrize("window", [16, 0], ids=["ring16", "paged"])
+@pytest.mark.parametrize("base_len, shared, hit, budget", [(70, 66, 64, 48), (150, 140, 128, 192)],
+                         ids=["chunk-end", "in-chunk"])
+def test_second_requests_hit_the_cached_prefix_and_keep_drafting(model, window, base_len, shared, hit, budget):
+    """A prompt sharing a prefix restores the checkpoint there (one saved at a chunk's end, or one the
+    forward kept inside a 144-token chunk), the drafter's state included: the MTP drafter proposes
+    exactly what it proposes in a cold run of that prompt."""
+    base = _requests([base_len], max_tokens=8)[0]
+    again = GenerateRequest(2, base.prompt_ids[:shared] + [11, 12, 13], base.sampling)
 
     def logged(engine):
         log = []
         engine.spec.propose = lambda row, first, got: log.append((first, list(got))) or got
         return log
 
-    cold = Engine(model, 2, 16)
-    cold_log = logged(cold)
-    cold_out = cold.run([again])
-    warm = Engine(model, 2, 16)
+    def drafter_states(engine, states):
+        """length -> (stored hidden, committed draft K of the window) of the running sequence."""
+        for seq in engine.sched.running.values():
+            L, slot = seq.kv_len, seq.state_slot
+            flat = torch.tensor([seq.pages[i // PAGE] * PAGE + i % PAGE for i in range(L)])
+            k, _ = engine.spec.drafter.store.read(slot, flat, max(1, L - window) if window else 1, L)
+            states[L] = (engine.runner.state.mtp_hidden[slot].clone(), k.clone())
+
+    cold = Engine(model, 2, window, budget)
+    cold_log, cold_states = logged(cold), {}
+    cold_out = cold.run([again], on_step=lambda e: drafter_states(e, cold_states))
+    warm = Engine(model, 2, window, budget)
     warm.run([base])
-    warm_log = logged(warm)
+    warm_log, warm_states = logged(warm), {}
     hits, tokens = [], []
     warm.sched.add(again)
     while warm.sched.has_work():
@@ -189,9 +202,14 @@ def test_second_requests_hit_the_cached_prefix_and_keep_drafting(model):
         tokens += [t for d in deltas for t in d.token_ids]
         hits += [d.cached_tokens for d in deltas if d.finish_reason]
         warm.sched.coord.check_integrity()
-    assert hits == [64]
+        drafter_states(warm, warm_states)
+    assert hits == [hit]
     assert tokens == cold_out[2] and len(tokens) == 8
     assert warm_log == cold_log and len(cold_log) >= 4
+    assert len(warm_states) >= 4 and set(warm_states) <= set(cold_states)
+    for L, (hidden, k) in warm_states.items():  # the restored drafter state went on like the cold one
+        torch.testing.assert_close(hidden, cold_states[L][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(k, cold_states[L][1], rtol=1e-4, atol=1e-5)
 
 
 def test_sampling_with_speculation_keeps_the_distribution(model):
