@@ -103,7 +103,15 @@ def speculative(before: dict | None, after: dict | None) -> dict | None:
     counters = {name: _delta(before, after, name) for name in sorted(after) if name.startswith("hkv_spec_")}
     if not counters:
         return None
-    return {"counters": counters, "acceptance_rate": _ratio(counters.get(SPEC_ACCEPTED), counters.get(SPEC_DRAFTED))}
+    # the acceptance histogram: verify steps of one sequence by drafts accepted (cumulative buckets -> counts)
+    cumulative = sorted((float(name.split('le="')[1].rstrip('"}')), value) for name, value in counters.items()
+                        if name.startswith("hkv_spec_acceptance_length_bucket") and "+Inf" not in name)
+    histogram = {str(int(le)): c - (cumulative[i - 1][1] if i else 0) for i, (le, c) in enumerate(cumulative)}
+    steps = counters.get("hkv_spec_acceptance_length_count")
+    return {"counters": counters, "acceptance_rate": _ratio(counters.get(SPEC_ACCEPTED), counters.get(SPEC_DRAFTED)),
+            "verify_steps": steps, "histogram": {k: v for k, v in histogram.items() if v},
+            # tokens a verify step emits on average: the accepted drafts plus the target's own token
+            "mean_accepted": _ratio(counters.get("hkv_spec_acceptance_length_sum"), steps)}
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -139,6 +147,7 @@ def table(report: dict) -> str:
         ("step / forward ms mean", f"{_fmt(_ms(server['step_seconds_mean']), 3)} / "
                                    f"{_fmt(_ms(server['forward_seconds_mean']), 3)}"),
         ("speculative acceptance", _fmt((report["speculative"] or {}).get("acceptance_rate"), 3)),
+        ("drafts accepted per verify step", _fmt((report["speculative"] or {}).get("mean_accepted"), 3)),
     ]
     baseline = report.get("baseline")
     if baseline is not None:

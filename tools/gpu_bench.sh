@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the served numbers of issues 11, 12 and 13 (and the built-in model's training, issue 18) on the benchmark model
 # (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
-#   run: bash tools/gpu_bench.sh [parts: train,launch,launch-only,i11,prefix,i12,i13,decode,sweep;
+#   run: bash tools/gpu_bench.sh [parts: train,spec,launch,launch-only,i11,prefix,i12,i13,decode,sweep;
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
@@ -77,7 +77,7 @@ if wants launch || wants launch-only; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
 fi
-{ wants i11 || wants prefix || wants i12 || wants i13; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
+{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
 if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
@@ -135,6 +135,36 @@ if wants i13; then
     stop
   }
   merge i13
+fi
+if wants spec; then  # issue 14 (and 18, acceptance 3): speculative decoding on the GPU
+  say "speculative decoding: fp32 parity on CUDA"
+  timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=240 tests/e2e/test_cuda_spec.py \
+    2>&1 | grep -v "weights:" | tail -8 | tee -a "$LOG"
+  SPEC=(--max-running-requests 16 "${MEM[@]}")
+  sbench() {  # sbench TAG [flags]: 16 random 512-token prompts, 128 out, all at once
+    bench "$1" --workload random --input-len "$IN" --range-ratio 1 --output-len "$GEN" --num-prompts 16 \
+      --concurrency 16 --warmup 1 "${@:2}"
+  }
+  say "benchmark model: K = 0, then an oracle drafter (the K = 0 run's outputs) at K = 1, 2, 3, then its random MTP"
+  start s_spec0 "${SPEC[@]}" && { sbench spec_k0 --save-outputs /tmp/oracle.json; stop; }
+  for k in 1 2 3; do
+    [[ -s /tmp/oracle.json ]] || break
+    export HKV_SPEC_ORACLE=/tmp/oracle.json
+    start "s_spec$k" "${SPEC[@]}" --spec-tokens "$k" --draft-window 16 && { sbench "spec_oracle_k$k"; stop; }
+    unset HKV_SPEC_ORACLE
+  done
+  start s_specr "${SPEC[@]}" --spec-tokens 2 --draft-window 16 && { sbench spec_mtp_k2; stop; }
+  merge spec
+  say "trained tiny-hybrid: held-out headers, one stream, K = 0..3"
+  for k in 0 1 2 3; do
+    flags=(); [[ $k != 0 ]] && flags=(--spec-tokens "$k" --draft-window 16)
+    MODEL=tiny-hybrid start "s_tiny$k" --max-running-requests 16 "${flags[@]}" && {
+      timeout 100 python3 -m tools.bench_spec_tiny --url "http://127.0.0.1:$PORT" --headers 10 --max-tokens 128 \
+        --json "/tmp/res_tiny_k$k.json" 2>&1 | tail -2 | sed "s/^/[tiny k=$k] /" | tee -a "$LOG"
+      stop
+    }
+  done
+  merge tiny
 fi
 if wants decode; then
   say "in-process decode step"

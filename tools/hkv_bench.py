@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a stream may go without an event (default: 600)")
     p.add_argument("--json", type=Path, default=None, help="write every figure here as JSON (default: none)")
+    p.add_argument("--save-outputs", type=Path, default=None,
+                   help="write every timed request's prompt and output token ids here as JSON, the oracle file "
+                        "of HKV_SPEC_ORACLE (docs/spec.md) (default: none)")
     p.add_argument("--plot-dir", type=Path, default=None,
                    help="write ttft.png, itl.png and throughput.png here; needs matplotlib (default: none)")
     p.add_argument("--baseline", choices=("hf",), default=None,
@@ -339,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.save_outputs is not None:
+        outputs = [{"prompt": list(r.prompt), "output": r.output} for r in run.done]
+        args.save_outputs.write_text(json.dumps(outputs) + "\n")
     if report["requests"]["failed"]:
         print(f"hkv-bench: {report['requests']['failed']} requests failed, first: "
               f"{report['requests']['first_error']}", file=sys.stderr)

@@ -6,7 +6,8 @@ in docs/benchmarks.md is measured on the same model.
 `qwen3_5_text`, 24 layers (18 Gated DeltaNet + 6 gated full attention, every
 4th layer full), hidden 2048, MLP 6144, 16 query / 2 KV heads of 256, GDN 16
 key / 32 value heads of 128, vocab 151,936, tied embeddings, partial rope
-(0.25). Weights are drawn per tensor from a generator seeded by the seed and
+(0.25), plus one MTP layer (mtp.*, 73 M parameters: random, so its drafts are
+almost never accepted; --spec-tokens measures the machinery's cost with it). Weights are drawn per tensor from a generator seeded by the seed and
 the tensor's name (the same bytes on every machine), one tensor at a time into
 safetensors shards of about --shard-gb, so memory stays near one shard. The
 folder also gets hkv's built-in tiny tokenizer and chat template: ids past its
@@ -67,6 +68,7 @@ def bench_config(layers: int, hidden_size: int, intermediate_size: int, vocab_si
                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
         "tie_word_embeddings": True,
         "initializer_range": STD,
+        "mtp_num_hidden_layers": 1,  # one MTP layer (mtp.*), as released Qwen3.5 checkpoints have: --spec-tokens
     })
 
 
@@ -123,11 +125,33 @@ def tensor_specs(cfg: dict) -> list[TensorSpec]:
                   TensorSpec(p + "mlp.up_proj.weight", (inter, h), "normal"),
                   TensorSpec(p + "mlp.down_proj.weight", (h, inter), "normal")]
     specs.append(TensorSpec("model.norm.weight", (h,), "zeros"))
-    return specs
+    return specs + _mtp_specs(cfg)
+
+
+def _mtp_specs(cfg: dict) -> list[TensorSpec]:
+    """The MTP module in the published layout: fc, two input norms, gated-attention decoder layers, norm."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    specs = [TensorSpec("mtp.fc.weight", (h, 2 * h), "normal"),
+             TensorSpec("mtp.pre_fc_norm_embedding.weight", (h,), "zeros"),
+             TensorSpec("mtp.pre_fc_norm_hidden.weight", (h,), "zeros")]
+    for i in range(cfg.get("mtp_num_hidden_layers", 0)):
+        p = f"mtp.layers.{i}."
+        specs += [TensorSpec(p + "input_layernorm.weight", (h,), "zeros"), *_attention_specs(p, cfg),
+                  TensorSpec(p + "post_attention_layernorm.weight", (h,), "zeros"),
+                  TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "normal"),
+                  TensorSpec(p + "mlp.up_proj.weight", (inter, h), "normal"),
+                  TensorSpec(p + "mlp.down_proj.weight", (h, inter), "normal")]
+    specs.append(TensorSpec("mtp.norm.weight", (h,), "zeros"))
+    return specs if cfg.get("mtp_num_hidden_layers", 0) else []
 
 
 def parameter_count(cfg: dict) -> int:
-    return sum(spec.numel for spec in tensor_specs(cfg))
+    """The target's parameters (the MTP module's apart: mtp_parameter_count)."""
+    return sum(spec.numel for spec in tensor_specs(cfg) if not spec.name.startswith("mtp."))
+
+
+def mtp_parameter_count(cfg: dict) -> int:
+    return sum(spec.numel for spec in _mtp_specs(cfg))
 
 
 def make_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:

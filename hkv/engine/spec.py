@@ -26,6 +26,7 @@ ahead of its result).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -41,6 +42,41 @@ from hkv.models.mtp import DraftRow, Drafter, DraftSpec, DraftStore
 
 # tests: (request-table row, position of the first proposal, the drafter's proposals) -> the proposals to send
 Proposer = Callable[[int, int, list[int]], list[int]]
+ORACLE_ENV = "HKV_SPEC_ORACLE"  # benchmarks: a file of known continuations (OracleProposer)
+ORACLE_KEY = 32  # prompt tokens that identify a sequence to the oracle
+
+
+class OracleProposer:
+    """Benchmarks only (`HKV_SPEC_ORACLE=file`, docs/spec.md): propose a sequence's known continuation,
+    to measure the speedup the verify machinery allows when every draft is right.
+
+    The file is JSON, [{"prompt": [ids], "output": [ids]}, ...] (hkv-bench --save-outputs writes it
+    from a run without speculation). A sequence is recognised by its first ORACLE_KEY prompt tokens,
+    seen when its first chunk starts at position 0; sequences it does not know (or that start from
+    a cache hit) get the MTP module's own proposals.
+    """
+
+    def __init__(self, path: str) -> None:
+        import json
+
+        entries = json.loads(open(path, encoding="utf-8").read())
+        self.known = {tuple(e["prompt"][:ORACLE_KEY]): [*e["prompt"], *e["output"]] for e in entries}
+        self.rows: dict[int, list[int]] = {}
+
+    def observe(self, plan: StepPlan) -> None:
+        for seq in plan.new:
+            self.rows.pop(seq.slot, None)
+        for c in plan.chunks:
+            if c.start_pos == 0:
+                sequence = self.known.get(tuple(c.token_ids[:ORACLE_KEY]))
+                if sequence is not None:
+                    self.rows[c.slot] = sequence
+
+    def __call__(self, row: int, first: int, got: list[int]) -> list[int]:
+        sequence = self.rows.get(row)
+        if sequence is None or first + len(got) > len(sequence):
+            return got
+        return sequence[first : first + len(got)]
 
 
 class SpecDecoder:
@@ -52,6 +88,9 @@ class SpecDecoder:
         self.drafter = drafter
         self.keep_base = keep_base
         self.propose: Proposer | None = None
+        path = os.environ.get(ORACLE_ENV)
+        if path:
+            self.propose = OracleProposer(path)
 
     def keep_slot(self, row: int, t: int) -> int:
         return self.keep_base + row * (self.k + 1) + t
@@ -60,6 +99,8 @@ class SpecDecoder:
     def run(self, plan: StepPlan) -> list[Sampled]:
         """Forward, verify, adopt, commit and draft; the Sampled of every sampling chunk, in plan order."""
         chunks = plan.chunks
+        if isinstance(self.propose, OracleProposer):
+            self.propose.observe(plan)
         if any(c.follows for c in chunks):
             raise ValueError("a drafting rank got a chunk planned ahead of its result (Chunk.follows)")
         plain = [c for c in chunks if c.drafts == 0]
