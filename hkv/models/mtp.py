@@ -100,7 +100,9 @@ class MTPModule(nn.Module):
         h, residual = self.layer.input_layernorm(x, None)
         query_gate, k, v = att.qkv(h)
         query, gate = query_gate.view(n, att.num_heads, 2 * att.head_dim).chunk(2, dim=-1)
-        rope_pos = positions - 1  # the entry of (h_{p-1}, token_p) sits at rope position p - 1
+        # the entry of (h_{p-1}, token_p) sits at rope position p - 1 (position 0 has no entry: its row, clamped
+        # into the rope tables, is computed and dropped)
+        rope_pos = (positions - 1).clamp(min=0)
         cos, sin = rotary.for_batch(rope_pos, x.dtype)
         k_out = torch.empty(n, 1, att.kv_heads, att.head_dim, dtype=x.dtype, device=x.device)
         v_out = torch.empty_like(k_out)
