@@ -388,9 +388,6 @@ def _check_spec(args: argparse.Namespace, spec: ModelSpec) -> None:
                           f"{spec.family}")
     if spec.mtp_layers < 1:
         raise ConfigError(f"--spec-tokens needs MTP weights (mtp.*); {args.model} has none")
-    if args.cpu_cache_gb > 0:
-        raise ConfigError("--spec-tokens with --cpu-cache-gb: the CPU and disk tiers do not carry draft windows "
-                          "yet; use one or the other")
 
 
 def _describe(path: str) -> ModelSpec:

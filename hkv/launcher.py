@@ -212,17 +212,23 @@ def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
     """The CPU tier's layout for `cfg` and the fingerprint root key of its entries.
 
     The model is built on the meta device (layouts, no weights). Pages and
-    checkpoints share the whole budget (hkv/storage/host_pool.py).
+    checkpoints share the whole budget (hkv/storage/host_pool.py). With
+    --spec-tokens the layouts are the rank's (hkv/actors/rank.py `_build_runner`):
+    a state entry also holds the drafter's state, and with --draft-window 0 a
+    page also holds the draft layer's K/V (one more KV layer).
     """
     # imported here: they load torch, which a launch without tiers never needs
+    from hkv.engine.spec import draft_spec, with_paged_draft
     from hkv.models.loader import cache_fingerprint, meta_model
     from hkv.storage.host_pool import HostLayout
 
     c = cfg.cache
     model = meta_model(cfg.model.path)
+    draft = draft_spec(model, cfg.spec.draft_window) if cfg.spec.spec_tokens > 0 else None
     kv = model.kv_layout(1, c.page_size, cfg.model.dtype, "cpu")
+    kv, _ = with_paged_draft(model, kv, model.layer_map, draft)
     state = model.state_layout(1, device="cpu", dtype="float32") if c.hybrid else None
-    layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30))
+    layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), draft)
     digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start
     fingerprint = cache_fingerprint(cfg.model.path, cfg.model.dtype, c.page_size, cfg.model.tp, cfg.model.device,
                                     digest_cache=digests)

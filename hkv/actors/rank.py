@@ -68,6 +68,9 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
     pages = cfg.cache.num_pages
     if pages is None:
         pages = sizing.pages_from_memory(cfg, model, state)
+        if draft is not None and not draft.window:  # the paged draft layer takes its share of every page
+            layers = len(model.layer_map)
+            pages = max(2, pages * layers // (layers + 1))
     layout = model.kv_layout(pages + extra, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
     layout, layer_map = spec.with_paged_draft(model, layout, model.layer_map, draft)  # W = 0: one more layer
     kv = KVPool(layout, layer_map)
@@ -91,7 +94,7 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
 def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
     """Map the CPU tier's shm pool (pinned on CUDA) so tier copies reach it; returns its region."""
     from hkv.ipc.tier_regions import attach_pool
-    from hkv.storage.host_pool import HostPool
+    from hkv.storage.host_pool import HostPool, draft_part
 
     region, layout, _ = attach_pool(cfg.server.name)
     expect = runner.kv.layout
@@ -100,6 +103,18 @@ def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
     ):
         region.close()
         raise ValueError(f"the CPU tier's layout {layout.descriptor} does not match the KV pool {expect}")
+    state = runner.state
+    if state is not None:  # the linear state, then the drafter's part (StatePool.draft, None when not drafting)
+        s = state.layout
+        if (layout.lin_layers, layout.conv_dim, layout.conv_width, layout.v_heads, layout.k_dim, layout.v_dim,
+                layout.draft_part) != (s.lin_layers, s.conv_dim, s.kernel_size - 1, s.v_heads, s.k_dim, s.v_dim,
+                                       draft_part(state.draft)):
+            region.close()
+            raise ValueError(f"the CPU tier's layout {layout.descriptor} does not match the state pool {s} "
+                             f"(drafter {state.draft})")
+    elif layout.lin_layers:
+        region.close()
+        raise ValueError(f"the CPU tier's layout {layout.descriptor} has states, the rank has no state pool")
     runner.host = HostPool(layout, region.payload)
     if cfg.model.device == "cuda" and layout.nbytes:
         import torch

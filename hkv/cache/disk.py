@@ -1,4 +1,4 @@
-"""Disk tier of the KV cache: one file per page, format hkv-page-v1.
+"""Disk tier of the KV cache: one file per page, format hkv-page-v2.
 
 The cache worker spills pages (and the linear-attention checkpoint taken at a
 page's end) from its CPU shm pool to `--disk-cache-dir`, within a byte budget

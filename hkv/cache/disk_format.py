@@ -1,4 +1,4 @@
-"""The `hkv-page-v1` file format of the disk tier: one page (and its checkpoint) per file.
+"""The `hkv-page-v2` file format of the disk tier: one page (and its checkpoint) per file.
 
 One file (little-endian; L = layout length, H = 66 + L = header length;
 docs/disk_format.md has the table and why each check exists):
@@ -6,13 +6,17 @@ docs/disk_format.md has the table and why each check exists):
     0        8        12       16            32       48       56        64       66       H
     +--------+--------+--------+-------------+--------+--------+---------+--------+--------+
     | magic  |version |header  |fingerprint  |key     |kv_len  |state_len|layout  |layout  |
-    |hkvpage0| = 1 u32|len u32 |(root key h0)|(16 B)  |u64     |u64, 0 = |len u16 |utf-8   |
+    |hkvpage0| = 2 u32|len u32 |(root key h0)|(16 B)  |u64     |u64, 0 = |len u16 |utf-8   |
     |        |        | = H    |(16 B)       |        |        |none     | = L    |L bytes |
     +--------+--------+--------+-------------+--------+--------+---------+--------+--------+
     H                     H + kv_len                H + kv_len + state_len          end
     +---------------------+-------------------------+-------------------------------+
     | kv bytes            | state bytes (if any)    | zlib.crc32 of [0, end-4), u32 |
     +---------------------+-------------------------+-------------------------------+
+
+The state bytes are a CPU-tier state entry (hkv/storage/host_pool.py): the
+linear-attention checkpoint, then with speculative decoding the drafter's
+state (mtp_hidden, and the draft K/V ring with a draft window), all fp32.
 
 `PageFormat` builds and checks these files for one tier (fingerprint, layout,
 lengths); `hkv/cache/disk.py` keeps the index, the budget and the locking.
@@ -29,7 +33,7 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"hkvpage\0"
-VERSION = 1
+VERSION = 2  # 2: a state payload may end with the drafter's state (HostLayout.draft_bytes)
 # magic, version, header length, fingerprint, key, kv_len, state_len, layout length
 FIXED = struct.Struct("<8sII16s16sQQH")
 FIXED_FIELDS = ("magic", "version", "header_len", "fingerprint", "key", "kv_len", "state_len", "layout_len")

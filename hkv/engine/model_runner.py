@@ -193,12 +193,26 @@ class ModelRunner:
             raise ValueError("a state copy without a CPU tier or a state pool")
         if not (0 <= slot < self.state.num_slots and 0 <= entry < self.host.layout.num_states):
             raise IndexError(f"state copy slot {slot} / entry {entry} out of range")
+        # the drafter's tensors (speculative decoding): model dtype on the device, fp32 in the tier
+        drafter = [(self.state.mtp_hidden, self.host.mtp_hidden), (self.state.draft_k, self.host.draft_k),
+                   (self.state.draft_v, self.host.draft_v)]
+        if any((dev is None) != (host is None) for dev, host in drafter):
+            raise ValueError("the state pool and the CPU tier disagree on the drafter's state")
         idx = self._indexes([slot], [entry])
         for dev, host in ((self.state.conv, self.host.conv), (self.state.recurrent, self.host.recurrent)):
             if to_host:
                 copy_blocks(dev, host, idx[0], idx[1])
             else:
                 copy_blocks(host, dev, idx[1], idx[0])
+        # small tensors of unequal dtypes, which copy_blocks does not convert: plain copy_ (a synchronous
+        # transfer on the current stream, after the copies above)
+        for dev, host in drafter:
+            if dev is None:
+                continue
+            if to_host:
+                host[entry].copy_(dev[slot])
+            else:
+                dev[slot].copy_(host[entry])
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

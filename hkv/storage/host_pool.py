@@ -10,14 +10,19 @@ its bytes at the start of the block (hkv/cache/slab.py says who holds which):
     block   [ state entry 0 ................... | state entry 1 ....      ]
     page    [2 (K, V), kv_layers, page_size, kv_heads, head_dim]       model dtype, one unit
     state   [conv: lin_layers, conv_dim, kernel-1][recurrent: lin_layers, v_heads, k_dim, v_dim]   fp32
+            [mtp_hidden: hidden][draft_k: W, kv_heads, head_dim][draft_v: W, kv_heads, head_dim]  fp32,
+            the drafter's part (--spec-tokens only; draft_k/v with --draft-window W > 0 only)
 
 Every entry is contiguous, so it is also one disk payload. `HostPool` gives
 torch views in the device pools' axis order (layer first), so one
 `copy_blocks` call per tensor moves any list of pages or slots; page and
 state views alias the same bytes, and the worker never hands out a unit as
 a page while its block holds a checkpoint. `HostLayout.for_model` sizes the
-pool from KV and state layouts; the launcher gets those from a meta-device
-model (`tier_layout` in hkv/launcher.py).
+pool from KV and state layouts (and the drafter's shapes, hkv.models.mtp.DraftSpec:
+with W = 0 the draft K/V are one more KV layer, so pages carry them); the
+launcher gets those from a meta-device model (`tier_layout` in hkv/launcher.py).
+The device keeps the drafter's tensors in the model dtype; the tier stores
+them as fp32, so a copy converts (hkv/engine/model_runner.py `_copy_state`).
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ class HostLayout:
     v_heads: int = 0
     k_dim: int = 0
     v_dim: int = 0
+    draft_hidden: int = 0  # the drafter's part of a state entry (0: not drafting): mtp_hidden [hidden]
+    draft_window: int = 0  # W of the draft K/V ring [W, draft_kv_heads, draft_head_dim] (0: none, paged)
+    draft_kv_heads: int = 0
+    draft_head_dim: int = 0
 
     def __post_init__(self):
         per_block = max(1, self.state_units)
@@ -57,13 +66,22 @@ class HostLayout:
             raise ValueError(f"num_pages ({self.num_pages}) must be a multiple of state_units ({self.state_units})")
         if (self.state_units > 0) != (self.lin_layers > 0):
             raise ValueError("state_units must be > 0 exactly when the layout has linear-attention state")
+        if self.draft_hidden and not self.lin_layers:
+            raise ValueError("the drafter's state needs a layout with linear-attention state")
+        if not self.draft_hidden and any(self.draft_part):
+            raise ValueError("draft_window / draft_kv_heads / draft_head_dim without draft_hidden")
+        if (self.draft_window > 0) != (self.draft_kv_heads > 0) or (self.draft_window > 0) != (self.draft_head_dim > 0):
+            raise ValueError("draft_window, draft_kv_heads and draft_head_dim are all > 0 (a ring) or all 0")
         if self.state_units and self.state_units * self.page_bytes < self.state_bytes:
             raise ValueError(f"{self.state_units} units of {self.page_bytes} bytes cannot hold a "
                              f"{self.state_bytes}-byte checkpoint")  # fmt: skip
 
     @classmethod
-    def for_model(cls, kv: KVLayout, state: StateLayout | None, budget_bytes: int) -> "HostLayout":
-        """As many units as `budget_bytes` holds, in whole checkpoint blocks (a hybrid tier holds one at least)."""
+    def for_model(cls, kv: KVLayout, state: StateLayout | None, budget_bytes: int, draft=None) -> "HostLayout":
+        """As many units as `budget_bytes` holds, in whole checkpoint blocks (a hybrid tier holds one at least).
+
+        `draft` (hkv.models.mtp.DraftSpec, or None): the drafter's shapes; `kv` must then already have
+        the paged draft layer when its window is 0 (hkv.engine.spec.with_paged_draft)."""
         fields = dict(kv_layers=kv.num_layers, page_size=kv.page_size, kv_heads=kv.kv_heads,
                       head_dim=kv.head_dim, kv_dtype=kv.dtype)
         if state is not None:
@@ -71,11 +89,17 @@ class HostLayout:
                 raise ValueError(f"the CPU tier stores fp32 states, the state pool is {state.dtype}")
             fields.update(lin_layers=state.lin_layers, conv_dim=state.conv_dim, conv_width=state.kernel_size - 1,
                           v_heads=state.v_heads, k_dim=state.k_dim, v_dim=state.v_dim)
+        if draft is not None:
+            if state is None:
+                raise ValueError("the drafter's state lives in state entries; a dense model has none")
+            fields.update(zip(("draft_hidden", "draft_window", "draft_kv_heads", "draft_head_dim"),
+                              draft_part(draft)))
         page_bytes = kv.bytes_per_page()  # the same bytes as a page entry (asserted below)
-        per_block = -(-state.bytes_per_slot // page_bytes) if state is not None else 1
+        state_bytes = state.bytes_per_slot + 4 * _draft_numel(draft_part(draft)) if state is not None else 0
+        per_block = -(-state_bytes // page_bytes) if state is not None else 1
         units = max(0, budget_bytes) // page_bytes // per_block * per_block
         layout = cls(num_pages=units, state_units=per_block if state is not None else 0, **fields)
-        assert layout.page_bytes == page_bytes and (state is None or layout.state_bytes == state.bytes_per_slot)
+        assert layout.page_bytes == page_bytes and layout.state_bytes == state_bytes
         return layout
 
     @property
@@ -101,8 +125,23 @@ class HostLayout:
         return self.lin_layers * self.v_heads * self.k_dim * self.v_dim
 
     @property
+    def draft_part(self) -> tuple[int, int, int, int]:
+        """(hidden, W, kv_heads, head_dim) of the drafter's part of a state entry; all 0 when not drafting."""
+        return (self.draft_hidden, self.draft_window, self.draft_kv_heads, self.draft_head_dim)
+
+    @property
+    def ring_numel(self) -> int:
+        """Floats of one of draft_k / draft_v in a state entry (0 without a ring)."""
+        return self.draft_window * self.draft_kv_heads * self.draft_head_dim
+
+    @property
+    def draft_bytes(self) -> int:
+        """Bytes the drafter adds to a state entry (fp32): mtp_hidden, then draft_k and draft_v."""
+        return 4 * _draft_numel(self.draft_part)
+
+    @property
     def state_bytes(self) -> int:
-        return (self.conv_numel + self.recurrent_numel) * 4
+        return (self.conv_numel + self.recurrent_numel) * 4 + self.draft_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -121,10 +160,31 @@ class HostLayout:
         if self.lin_layers:
             text += (f"|state:conv{self.lin_layers}x{self.conv_dim}x{self.conv_width}"
                      f"+rec{self.lin_layers}x{self.v_heads}x{self.k_dim}x{self.v_dim}:float32")
+        if self.draft_hidden:
+            text += f"|draft:hidden{self.draft_hidden}"
+            if self.draft_window:
+                ring = f"{self.draft_window}x{self.draft_kv_heads}x{self.draft_head_dim}"
+                text += f"+k{ring}+v{ring}"
+            text += ":float32"
         return text
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def draft_part(draft) -> tuple[int, int, int, int]:
+    """(hidden, W, kv_heads, head_dim) a state entry holds for `draft` (a DraftSpec or None): all 0 when
+    not drafting, the ring's shape 0 when W = 0 (the draft K/V are then paged, in page entries)."""
+    if draft is None:
+        return (0, 0, 0, 0)
+    if draft.window:
+        return (draft.hidden_size, draft.window, draft.kv_heads, draft.head_dim)
+    return (draft.hidden_size, 0, 0, 0)
+
+
+def _draft_numel(part: tuple[int, int, int, int]) -> int:
+    hidden, window, heads, dim = part
+    return hidden + 2 * window * heads * dim
 
 
 class HostPool:
@@ -134,6 +194,10 @@ class HostPool:
         kv_layers [2 * kv_layers, num_pages, page_size, kv_heads, head_dim]   K's layers then V's
         conv      [lin_layers, num_states, conv_dim, conv_width]
         recurrent [lin_layers, num_states, v_heads, k_dim, v_dim]
+        mtp_hidden [num_states, draft_hidden]                                  (drafting only)
+        draft_k, draft_v [num_states, draft_window, draft_kv_heads, draft_head_dim]   (a ring only)
+
+    The drafter's views are slot-major like StatePool's (and fp32, the device's are the model dtype).
     """
 
     def __init__(self, layout: HostLayout, buffer: memoryview):
@@ -145,6 +209,7 @@ class HostPool:
         dtype = _DTYPES[lay.kv_dtype]
         self.pages: torch.Tensor | None = None  # [num_pages, 2, L, P, H, D]
         self.k = self.v = self.kv_layers = self.conv = self.recurrent = None
+        self.mtp_hidden = self.draft_k = self.draft_v = None
         if lay.num_pages:
             flat = torch.frombuffer(self.buffer, dtype=dtype, count=lay.num_pages * lay.page_bytes // dtype.itemsize)
             self.pages = flat.view(lay.num_pages, *lay.kv_shape)
@@ -160,6 +225,15 @@ class HostPool:
             rec = rec.view(lay.num_states, lay.lin_layers, lay.v_heads, lay.k_dim, lay.v_dim)
             self.conv = conv.transpose(0, 1)  # [lin, S, conv_dim, width]
             self.recurrent = rec.transpose(0, 1)  # [lin, S, v_heads, k_dim, v_dim]
+            start = lay.conv_numel + lay.recurrent_numel
+            if lay.draft_hidden:
+                self.mtp_hidden = blocks[:, start : start + lay.draft_hidden]  # [S, hidden]
+                start += lay.draft_hidden
+            if lay.draft_window:
+                ring = (lay.num_states, lay.draft_window, lay.draft_kv_heads, lay.draft_head_dim)
+                self.draft_k = blocks[:, start : start + lay.ring_numel].view(ring)  # [S, W, kv_heads, head_dim]
+                start += lay.ring_numel
+                self.draft_v = blocks[:, start : start + lay.ring_numel].view(ring)
 
     def page_view(self, entry: int) -> memoryview:
         """The bytes of page entry `entry` (its disk payload)."""
@@ -177,7 +251,12 @@ class HostPool:
         start = entry * lay.block_bytes
         return self.buffer[start : start + lay.state_bytes]
 
+    def draft_tensors(self) -> list[torch.Tensor]:
+        """The drafter's views (entry-major), in StatePool.draft_tensors() order; empty when not drafting."""
+        return [t for t in (self.mtp_hidden, self.draft_k, self.draft_v) if t is not None]
+
     def release(self) -> None:
         """Drop every view so the shm mapping can close."""
         self.pages = self.k = self.v = self.kv_layers = self.conv = self.recurrent = None
+        self.mtp_hidden = self.draft_k = self.draft_v = None
         self.buffer = None

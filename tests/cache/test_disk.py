@@ -121,7 +121,7 @@ def test_file_layout_is_exactly_as_documented(tmp_path):
     data = path(tmp_path, key(3), True).read_bytes()
     assert len(data) == STATEFUL
     fields = struct.unpack_from("<8sII16s16sQQH", data)
-    assert fields == (b"hkvpage\0", 1, HEADER, FP, key(3), KV_LEN, STATE_LEN, len(LAYOUT))
+    assert fields == (b"hkvpage\0", 2, HEADER, FP, key(3), KV_LEN, STATE_LEN, len(LAYOUT))
     assert data[66:HEADER] == LAYOUT.encode()
     assert data[HEADER : HEADER + KV_LEN] == kv(3)
     assert data[HEADER + KV_LEN : -4] == st(3)

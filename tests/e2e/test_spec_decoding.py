@@ -122,7 +122,6 @@ def test_full_length_draft_kv_on_transformers_checkpoints_matches_transformers(k
     (["--draft-window", "8"], "--draft-window needs --spec-tokens >= 1"),
     (["--spec-tokens", "9"], "--spec-tokens 9: at most 8"),
     (["--model", "tiny-dense", "--spec-tokens", "1"], "--spec-tokens: drafting uses a Qwen3.5 / Qwen3-Next MTP"),
-    (["--spec-tokens", "1", "--cpu-cache-gb", "0.1"], "--spec-tokens with --cpu-cache-gb"),
 ])
 def test_bad_speculative_flags_exit_2_with_one_line(flags, message, tmp_path):
     proc = subprocess.run([*LAUNCH, *flags, "--port", "8799"], capture_output=True, text=True, timeout=60,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hkv.models.mtp import DraftSpec
 from hkv.storage.host_pool import HostLayout, HostPool
 from hkv.storage.kv_pool import KVLayout, KVPool
 from hkv.storage.state_pool import StateLayout, StatePool
@@ -236,3 +237,87 @@ def test_copy_blocks_moves_state_slots_to_host_entries_and_back():
     assert torch.equal(state.conv[:, 3], conv[:, 2]) and torch.equal(state.recurrent[:, 3], rec[:, 2])
     assert torch.equal(state.conv[:, 1], conv[:, 0]) and torch.equal(state.recurrent[:, 1], rec[:, 0])
     assert not state.conv[:, [0, 2]].any() and not state.recurrent[:, [0, 2]].any()
+
+
+# the drafter's part (speculative decoding): hidden 5, a ring of W=3 positions of 2 heads x 4
+DRAFT = DraftSpec(window=3, hidden_size=5, kv_heads=2, head_dim=4)
+DRAFT_NUMEL = 5 + 2 * 3 * 2 * 4  # mtp_hidden + draft_k + draft_v = 53 floats
+
+
+def test_the_drafters_part_extends_the_state_entry_and_its_descriptor():
+    plain = HostLayout.for_model(KV, STATE, 10 * PAGE_BYTES)
+    lay = HostLayout.for_model(KV, STATE, 10 * PAGE_BYTES, DRAFT)
+    assert lay.draft_part == (5, 3, 2, 4) and plain.draft_part == (0, 0, 0, 0)
+    assert lay.draft_bytes == DRAFT_NUMEL * 4 and plain.draft_bytes == 0
+    assert lay.state_bytes == STATE_BYTES + DRAFT_NUMEL * 4  # 500 bytes: still a block of two units
+    assert (lay.state_units, lay.num_states) == (2, 5)
+    assert lay.descriptor == plain.descriptor + "|draft:hidden5+k3x2x4+v3x2x4:float32"
+    paged = HostLayout.for_model(KV, STATE, 10 * PAGE_BYTES, DraftSpec(0, 5, 2, 4))  # W = 0: K/V in pages
+    assert paged.draft_part == (5, 0, 0, 0) and paged.state_bytes == STATE_BYTES + 20
+    assert paged.descriptor == plain.descriptor + "|draft:hidden5:float32"
+    assert len({plain.descriptor, lay.descriptor, paged.descriptor}) == 3
+    assert HostLayout(**lay.to_dict()) == lay and HostLayout(**paged.to_dict()) == paged
+    big = HostLayout.for_model(KV, STATE, 10 * PAGE_BYTES, DraftSpec(8, 5, 2, 4))  # 288 + 532 bytes: 4 units
+    assert (big.state_units, big.num_states, big.num_pages) == (4, 2, 8)
+
+
+def test_a_drafters_part_must_be_whole():
+    fields = HostLayout.for_model(KV, STATE, 10 * PAGE_BYTES, DRAFT).to_dict()
+    with pytest.raises(ValueError, match="all > 0"):
+        HostLayout(**{**fields, "draft_kv_heads": 0})
+    with pytest.raises(ValueError, match="without draft_hidden"):
+        HostLayout(**{**fields, "draft_hidden": 0})
+    with pytest.raises(ValueError, match="cannot hold"):
+        HostLayout(**{**fields, "draft_window": 30})  # 288 + 4 * (5 + 480) bytes > a block of two units
+    with pytest.raises(ValueError, match="a dense model has none"):
+        HostLayout.for_model(KV, None, 10 * PAGE_BYTES, DRAFT)
+
+
+def test_the_drafters_views_alias_the_end_of_their_state_entry():
+    lay = HostLayout.for_model(KV, STATE, 10 * PAGE_BYTES, DRAFT)
+    host = pool_of(lay)
+    assert host.mtp_hidden.shape == (5, 5) and host.draft_k.shape == host.draft_v.shape == (5, 3, 2, 4)
+    assert [t.dtype for t in host.draft_tensors()] == [torch.float32] * 3
+    values = torch.arange(DRAFT_NUMEL + CONV_NUMEL + REC_NUMEL, dtype=torch.float32)
+    host.state_view(3)[:] = values.numpy().tobytes()
+    start = CONV_NUMEL + REC_NUMEL
+    assert torch.equal(host.recurrent[:, 3].reshape(-1), values[CONV_NUMEL:start])
+    assert torch.equal(host.mtp_hidden[3], values[start : start + 5])
+    assert torch.equal(host.draft_k[3].reshape(-1), values[start + 5 : start + 29])
+    assert torch.equal(host.draft_v[3].reshape(-1), values[start + 29 :])
+    assert not host.mtp_hidden[[0, 1, 2, 4]].any() and not host.draft_v[[0, 1, 2, 4]].any()
+    # and back: the views write exactly their entry's bytes
+    host.state_view(3)[:] = bytes(lay.state_bytes)
+    before = bytes(host.buffer)
+    host.draft_v[1, 2] = torch.full((2, 4), 7.0)
+    changed = [i for i, (a, b) in enumerate(zip(before, bytes(host.buffer))) if a != b]
+    end = lay.block_bytes + lay.state_bytes
+    assert min(changed) >= end - 8 * 4 and max(changed) < end  # the last position of entry 1's V ring
+    host.release()
+    assert host.mtp_hidden is None and host.draft_k is None and host.draft_tensors() == []
+
+
+def test_a_paged_drafter_has_only_mtp_hidden_in_the_state_entry():
+    host = pool_of(HostLayout.for_model(KV, STATE, 10 * PAGE_BYTES, DraftSpec(0, 5, 2, 4)))
+    assert host.mtp_hidden.shape == (5, 5) and host.draft_k is None and host.draft_v is None
+    assert len(host.draft_tensors()) == 1
+    assert pool_of(hybrid_layout(10)).draft_tensors() == []
+
+
+def test_drafter_state_round_trips_between_a_bf16_state_pool_and_the_fp32_entry():
+    """What ModelRunner._copy_state does for the drafter's tensors (plain copy_, converting dtypes)."""
+    gen = torch.Generator().manual_seed(2)
+    state = StatePool(STATE, DRAFT, torch.bfloat16)
+    for t in state.draft_tensors():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    saved = [t.clone() for t in state.draft_tensors()]
+    host = pool_of(HostLayout.for_model(KV, STATE, 10 * PAGE_BYTES, DRAFT))
+    for dev, side in zip(state.draft_tensors(), host.draft_tensors()):
+        side[4].copy_(dev[1])
+    for dev in state.draft_tensors():
+        dev.zero_()
+    for dev, side in zip(state.draft_tensors(), host.draft_tensors()):
+        dev[2].copy_(side[4])
+    for dev, want in zip(state.draft_tensors(), saved):
+        assert torch.equal(dev[2], want[1])  # bf16 -> fp32 -> bf16 is exact
+        assert not dev[[0, 1, 3]].any()
