@@ -372,6 +372,7 @@ class Router:
             "radix_checkpoints": tree.num_checkpoints,
             "radix_evictable_pages": tree.evictable_pages,
             "tier_offloads_skipped": self.tiers.skipped_offloads if self.tiers is not None else 0,
+            "spec_tokens": sched.limits.spec_tokens,
             "spec_verified": sched.spec_verified,
             "spec_accepted": sched.spec_accepted,
             **{f"spec_accepted_{i}": n for i, n in enumerate(sched.spec_histogram)},

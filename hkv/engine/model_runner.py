@@ -155,7 +155,8 @@ class ModelRunner:
         for op in plan.ops:
             if isinstance(op, (SaveCheckpoint, RestoreCheckpoint)):
                 if op.src_window is not None or op.dst_window is not None:
-                    raise NotImplementedError("draft-window checkpoints arrive with speculative decoding")
+                    # the server's coordinator has no window pool: a draft window lives in its state slot
+                    raise ValueError("a checkpoint op naming a draft-window slot (windows live in state slots)")
                 self.state.copy_slot(op.src_slot, op.dst_slot)
             elif isinstance(op, StorePages):
                 self._copy_pages(to_host=True, pages=op.src_pages, entries=op.dst_entries)

@@ -48,6 +48,7 @@ FIELDS = (
     "malformed_router_results",  # counter: rank results dropped (undecodable, or not answering the plan)
     "malformed_rank_in",  # counter: plans rank 0 dropped (undecodable), as its results report
     "failed_steps",  # counter: steps whose result carried an error
+    "spec_tokens",  # constant: --spec-tokens (0: not speculating; /metrics then has no hkv_spec_*)
     "spec_verified",  # counter: draft tokens the target verified (speculative decoding)
     "spec_accepted",  # counter: ... of them accepted
     # counters: verify steps of one sequence that accepted i drafts, i = 0..MAX_SPEC_TOKENS

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 TIER_REGION = "cpu_tier"
 TIER_STATS_REGION = "tiers"
 TIER_STATS_NBYTES = 64 * 1024
-VERSION = 2  # 2: one budget of units (HostLayout.state_units), no fixed page/checkpoint split
+VERSION = 3  # 2: one budget of units (HostLayout.state_units), no fixed page/checkpoint split; 3: the drafter's part
 
 
 def registry_layout(layout: HostLayout, fingerprint: bytes) -> dict:

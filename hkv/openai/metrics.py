@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from hkv.engine.validate import MAX_SPEC_TOKENS
 from hkv.ipc.messages import EngineState
 from hkv.openai.generation import Generation
 
@@ -60,18 +59,8 @@ class _EngineStatsCollector:
             for state, value in (("free", free), ("cached", cached), ("in_use", total - free - cached)):
                 pools.add_metric([pool, state], value)
         yield pools
-        for name, doc, key in (("hkv_spec_draft_tokens", "Draft tokens the target verified", "spec_verified"),
-                               ("hkv_spec_accepted_tokens", "Draft tokens accepted", "spec_accepted")):
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], values[key])
-            yield family
-        counts = [values[f"spec_accepted_{i}"] for i in range(MAX_SPEC_TOKENS + 1)]
-        cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
-        yield HistogramMetricFamily(
-            "hkv_spec_acceptance_length", "Drafts accepted per verify step of one sequence",
-            buckets=[(str(i), c) for i, c in enumerate(cumulative)] + [("+Inf", cumulative[-1])],
-            sum_value=values["spec_accepted"],
-        )
+        if values["spec_tokens"] > 0:
+            yield from _speculative(values)
         hits = CounterMetricFamily("hkv_cache_hit_tokens", "Prompt tokens served from the cache, by tier",
                                    labels=["tier"])
         for tier in ("gpu", "cpu", "disk"):
@@ -82,6 +71,23 @@ class _EngineStatsCollector:
                                ("hkv_engine_live_waiting", "Sequences waiting at the router", "waiting"),
                                ("hkv_engine_live_running", "Sequences holding a slot", "running")):
             yield GaugeMetricFamily(name, doc, value=values[key])
+
+
+def _speculative(values: dict[str, float]) -> Iterator[Metric]:
+    """Drafted and accepted tokens, and the histogram of drafts accepted per verify step (--spec-tokens only)."""
+    for name, doc, key in (("hkv_spec_draft_tokens", "Draft tokens the target verified", "spec_verified"),
+                           ("hkv_spec_accepted_tokens", "Draft tokens accepted", "spec_accepted")):
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], values[key])
+        yield family
+    buckets = int(values["spec_tokens"]) + 1
+    counts = [values[f"spec_accepted_{i}"] for i in range(buckets)]
+    cumulative = [sum(counts[: i + 1]) for i in range(buckets)]
+    yield HistogramMetricFamily(
+        "hkv_spec_acceptance_length", "Drafts accepted per verify step of one sequence",
+        buckets=[(str(i), c) for i, c in enumerate(cumulative)] + [("+Inf", cumulative[-1])],
+        sum_value=values["spec_accepted"],
+    )
 
 
 class _TierStatsCollector:
