@@ -138,3 +138,39 @@ def test_a_checkpoint_without_mtp_weights_is_refused(tmp_path, builtin_dir):
     proc = subprocess.run([*LAUNCH, "--model", str(tmp_path / "plain"),
                            "--spec-tokens", "2", "--port", "8799"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "needs MTP weights (mtp.*)" in proc.stderr, proc.stderr
+
+
+def test_the_openai_surface_is_unchanged_by_speculation(tmp_path):
+    """Stop strings, logprobs per token and n > 1 behave as without --spec-tokens (greedy: the same text,
+    finish reason and logprobs' length); seeded sampling repeats itself under speculation."""
+    import json
+
+    spec = launch(["--spec-tokens", "3", "--draft-window", "16"], tmp_path)
+    plain = launch([], tmp_path)
+    pids = [s.actor_pids() for s in (spec, plain)]
+
+    def post(server, body):
+        req = urllib.request.Request(server.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+    prompt = "def read_config(path):\n"
+    greedy = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "stop": ["file-like"], "logprobs": 1, "n": 2}
+    seeded = {"prompt": prompt, "max_tokens": 40, "temperature": 0.8, "seed": 5, "logprobs": 2, "n": 2}
+    try:
+        got, want = post(spec, greedy), post(plain, greedy)
+        first, again = post(spec, seeded), post(spec, seeded)
+        accepted = _metric(spec.url, "hkv_spec_accepted_tokens_total")
+    finally:
+        for server, actors in zip((spec, plain), pids):
+            assert server.stop(signal.SIGTERM) == 0, server.log()
+            assert_clean(server, actors)
+    for a, b in zip(got["choices"], want["choices"]):
+        assert (a["text"], a["finish_reason"]) == (b["text"], b["finish_reason"])
+        assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        for x, y in zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]):
+            assert abs(x - y) < 1e-3
+    assert got["choices"][0]["finish_reason"] == "stop"
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in again["choices"]]
+    assert all(len(c["logprobs"]["tokens"]) == 40 for c in first["choices"])
+    assert accepted > 0
