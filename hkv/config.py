@@ -63,7 +63,6 @@ class ModelSpec:
     linear_v_dim: int = 0
     conv_kernel: int = 0  # GDN causal conv width
     declared_dtype: str | None = None  # config.json's dtype / torch_dtype, if any
-    mtp_layers: int = 0  # MTP layers whose weights (mtp.*) the checkpoint holds: what --spec-tokens drafts with
 
     @property
     def hybrid(self) -> bool:
@@ -136,6 +135,7 @@ class SchedulerConfig:
 class SpecConfig:
     spec_tokens: int  # K: MTP drafts per step, 0 = off
     draft_window: int  # W: draft-layer K/V positions kept per request, 0 = full length (paged)
+    oracle: str | None = None  # benchmarks: $HKV_SPEC_ORACLE, a file of known continuations (docs/spec.md)
 
 
 @dataclass(frozen=True)
@@ -199,6 +199,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 PENDING = "Not implemented yet: giving it exits 2."
+ORACLE_ENV = "HKV_SPEC_ORACLE"  # benchmarks only: the rank proposes known continuations (hkv.engine.spec)
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -372,7 +373,7 @@ def _check_tiers(args: argparse.Namespace) -> None:
         raise ConfigError(f"--disk-cache-dir {args.disk_cache_dir}: exists and is not a directory")
 
 
-def _check_spec(args: argparse.Namespace, spec: ModelSpec) -> None:
+def _check_spec(args: argparse.Namespace, spec: ModelSpec, path: str) -> None:
     """--spec-tokens / --draft-window against each other, the model and the other flags (exit 2)."""
     k, w = args.spec_tokens, args.draft_window
     if k == 0:
@@ -386,7 +387,9 @@ def _check_spec(args: argparse.Namespace, spec: ModelSpec) -> None:
     if not spec.hybrid or spec.family not in ("qwen3_5", "qwen3_5_text", "qwen3_next"):
         raise ConfigError(f"--spec-tokens: drafting uses a Qwen3.5 / Qwen3-Next MTP module; {args.model} is "
                           f"{spec.family}")
-    if spec.mtp_layers < 1:
+    from hkv.models.loader import mtp_layers  # reads the weights' headers: only when drafting
+
+    if mtp_layers(path) < 1:
         raise ConfigError(f"--spec-tokens needs MTP weights (mtp.*); {args.model} has none")
 
 
@@ -576,7 +579,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     cache_dir = builtin_cache_dir()
     path = _resolve_model_path(args.model, cache_dir)
     spec = _describe(path)
-    _check_spec(args, spec)
+    _check_spec(args, spec, path)
     dtype = _resolve_dtype(args.dtype, device, spec.declared_dtype)
     name = args.name or f"hkv{args.port}"
     on_cpu = device == "cpu"
@@ -593,7 +596,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             chunked_prefill_size=args.chunked_prefill_size or (512 if on_cpu else 8192),
             max_queued_requests=4096,
         ),
-        spec=SpecConfig(args.spec_tokens, args.draft_window or 0),
+        spec=SpecConfig(args.spec_tokens, args.draft_window or 0, os.environ.get(ORACLE_ENV) or None),
         server=server,
         run_dir=run_dir,
         builtin_cache_dir=cache_dir,

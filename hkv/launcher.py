@@ -226,7 +226,7 @@ def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
     model = meta_model(cfg.model.path)
     draft = draft_spec(model, cfg.spec.draft_window) if cfg.spec.spec_tokens > 0 else None
     kv = model.kv_layout(1, c.page_size, cfg.model.dtype, "cpu")
-    kv, _ = with_paged_draft(model, kv, model.layer_map, draft)
+    kv, _ = with_paged_draft(model, kv, draft)
     state = model.state_layout(1, device="cpu", dtype="float32") if c.hybrid else None
     layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), draft)
     digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start

@@ -72,7 +72,7 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
             layers = len(model.layer_map)
             pages = max(2, pages * layers // (layers + 1))
     layout = model.kv_layout(pages + extra, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
-    layout, layer_map = spec.with_paged_draft(model, layout, model.layer_map, draft)  # W = 0: one more layer
+    layout, layer_map = spec.with_paged_draft(model, layout, draft)  # W = 0: one more layer
     kv = KVPool(layout, layer_map)
     log.info("KV pool: %d pages x %d tokens, %.1f MiB", pages, layout.page_size,
              layout.bytes_per_page() * pages / 2**20)
@@ -81,7 +81,7 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
                          max_tokens=cfg.scheduler.chunked_prefill_size + cfg.scheduler.max_running_requests,
                          graph_max_bs=0 if drafting else cfg.model.cuda_graph_max_bs)  # verify graphs: not yet
     if drafting:
-        spec.attach(runner, draft, cfg.spec.spec_tokens, slots + extra)
+        spec.attach(runner, draft, cfg.spec.spec_tokens, slots + extra, cfg.spec.oracle)
         log.info("speculative decoding: %d MTP drafts a step, draft window %s, %.1f KiB of drafter state a slot",
                  cfg.spec.spec_tokens, draft.window or "full length (paged)", state.draft_bytes_per_slot() / 1024)
     seconds = runner.capture_graphs()

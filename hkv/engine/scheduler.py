@@ -45,6 +45,7 @@ from hkv.ipc.messages import (
     Chunk, GenerateRequest, NewSequence, SamplingParams, StepPlan, StepResult, TierFound, TierReserved, TokenDelta,
 )  # fmt: skip
 from hkv.engine.publishing import Publishing
+from hkv.engine.speculating import Speculating
 from hkv.engine.slot_book import SlotBook
 from hkv.ipc.request_table import RequestTable
 from hkv_kernels.gdn import GDN_CHUNK
@@ -101,7 +102,7 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[: stop - prompt_len]
 
 
-class Scheduler(Publishing):
+class Scheduler(Publishing, Speculating):
     """Owns waiting and running sequences and their request-table rows."""
 
     def __init__(self, limits: SchedulerLimits, coord: CacheCoordinator, table: RequestTable,
@@ -330,23 +331,6 @@ class Scheduler(Publishing):
         self._ops.extend(grant.ops)
         return self._chunk(seq, seq.kv_len, end, grant.checkpoints, follows, drafts)
 
-    def _drafts(self, seq: Sequence, budget: int) -> int:
-        """How many of its proposals a decoding sequence verifies this step.
-
-        At most --spec-tokens, what the budget, max_tokens and the context leave room for, and, on a
-        hybrid model with the prefix cache, no further than the next page boundary: every boundary is
-        then a length the sequence stops at, where its rolling checkpoint saves (a verify chunk that
-        reaches the boundary, or a plain decode of its last token):
-
-            kv_len n   [x_n d_1 .. d_k]   n + k + 1 <= the next multiple of the page size
-        """
-        room = min(len(seq.proposals), self.limits.spec_tokens, budget - 1,
-                   seq.sampling.max_tokens - len(seq.output_ids) - 1, self.limits.max_context - seq.total_len - 1)
-        if self.limits.hybrid and self.coord.spec.prefix_cache:
-            ps = self.limits.page_size
-            room = min(room, (seq.kv_len // ps + 1) * ps - seq.kv_len - 1)
-        return max(0, room)
-
     def _ends_with_pending(self, seq: Sequence) -> bool:
         """The token in flight is its last by length (an EOS is only known when it returns)."""
         return len(seq.output_ids) + 1 >= seq.sampling.max_tokens or seq.total_len + 1 >= self.limits.max_context
@@ -521,50 +505,31 @@ class Scheduler(Publishing):
             if self.tiers is not None:
                 self.tiers.poison()
 
-    def _apply_verified(self, seq: Sequence, chunk: Chunk, sampled) -> TokenDelta:
-        """A verify chunk's answer: `accepted` drafts held, so the K/V of positions up to
-        start + accepted are computed; the cursor moves back there (freeing the look-ahead pages),
-        that length publishes, and the emitted tokens (up to a finish) are appended."""
-        accepted = len(sampled.extra)
-        end = chunk.start_pos + 1 + accepted
-        seq.kv_len = seq.done_len = end
-        self.coord.rewind(seq.req_id, end)
-        self.spec_verified += chunk.drafts
-        self.spec_accepted += accepted
-        self.spec_histogram[accepted] += 1
+    def _append_token(self, seq: Sequence, sampled) -> TokenDelta:
         seq.pending_samples -= 1
-        seq.proposals = list(sampled.proposals)
-        emitted = [sampled, *sampled.extra]
-        tokens, reason = [], None
-        for tok in emitted:
+        tokens, reason = self._append(seq, [sampled])
+        return self._token_delta(seq, tokens, reason)
+
+    def _append(self, seq: Sequence, emitted: list) -> tuple[list, str | None]:
+        """Append the emitted tokens (Sampled / Emitted) up to the first that finishes the sequence:
+        (the ones appended, the finish reason or None)."""
+        for i, tok in enumerate(emitted):
             seq.output_ids.append(tok.token_id)
-            tokens.append(tok)
             reason = self._finish_reason(seq, tok.token_id)
             if reason is not None:
-                break
-        if end <= seq.total_len:  # what a finish mid-way leaves computed past its end is not a prefix of it
-            self._publish(seq, False, end)
-        lp = None if sampled.logprob is None else [t.logprob for t in tokens]
-        top = None if sampled.top_logprobs is None else [t.top_logprobs for t in tokens]
+                return emitted[: i + 1], reason
+        return emitted, None
+
+    def _token_delta(self, seq: Sequence, tokens: list, reason: str | None) -> TokenDelta:
+        """The delta of tokens just appended; a finished sequence leaves (its prefix stays cached)."""
+        lp = None if tokens[0].logprob is None else [t.logprob for t in tokens]
+        top = None if tokens[0].top_logprobs is None else [t.top_logprobs for t in tokens]
         tiers = None
         if reason is not None:
             self._leave(seq, publish=True)
             tiers = _tiers_of(seq)
         return TokenDelta(seq.req_id, [t.token_id for t in tokens], lp, top, reason, len(seq.prompt_ids),
                           seq.cached_tokens or 0, tiers)
-
-    def _append_token(self, seq: Sequence, sampled) -> TokenDelta:
-        seq.pending_samples -= 1
-        seq.output_ids.append(sampled.token_id)
-        reason = self._finish_reason(seq, sampled.token_id)
-        lp = None if sampled.logprob is None else [sampled.logprob]
-        top = None if sampled.top_logprobs is None else [sampled.top_logprobs]
-        cached = seq.cached_tokens or 0
-        tiers = None
-        if reason is not None:
-            self._leave(seq, publish=True)
-            tiers = _tiers_of(seq)
-        return TokenDelta(seq.req_id, [sampled.token_id], lp, top, reason, len(seq.prompt_ids), cached, tiers)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in self.limits.eos_ids and not seq.sampling.ignore_eos:

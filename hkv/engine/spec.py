@@ -26,7 +26,6 @@ ahead of its result).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -42,12 +41,11 @@ from hkv.models.mtp import DraftRow, Drafter, DraftSpec, DraftStore
 
 # tests: (request-table row, position of the first proposal, the drafter's proposals) -> the proposals to send
 Proposer = Callable[[int, int, list[int]], list[int]]
-ORACLE_ENV = "HKV_SPEC_ORACLE"  # benchmarks: a file of known continuations (OracleProposer)
 ORACLE_KEY = 32  # prompt tokens that identify a sequence to the oracle
 
 
 class OracleProposer:
-    """Benchmarks only (`HKV_SPEC_ORACLE=file`, docs/spec.md): propose a sequence's known continuation,
+    """Benchmarks only (`HKV_SPEC_ORACLE=file`, read by hkv.config; docs/spec.md): propose a sequence's known continuation,
     to measure the speedup the verify machinery allows when every draft is right.
 
     The file is JSON, [{"prompt": [ids], "output": [ids]}, ...] (hkv-bench --save-outputs writes it
@@ -82,15 +80,12 @@ class OracleProposer:
 class SpecDecoder:
     """The speculative half of a ModelRunner (which owns the pools, the table and the sampling params)."""
 
-    def __init__(self, runner, spec_tokens: int, drafter: Drafter, keep_base: int) -> None:
+    def __init__(self, runner, spec_tokens: int, drafter: Drafter, keep_base: int, oracle: str | None = None) -> None:
         self.runner = runner
         self.k = spec_tokens
         self.drafter = drafter
         self.keep_base = keep_base
-        self.propose: Proposer | None = None
-        path = os.environ.get(ORACLE_ENV)
-        if path:
-            self.propose = OracleProposer(path)
+        self.propose: Proposer | None = OracleProposer(oracle) if oracle else None
 
     def keep_slot(self, row: int, t: int) -> int:
         return self.keep_base + row * (self.k + 1) + t
@@ -148,7 +143,7 @@ class SpecDecoder:
             keep = np.full((len(chunks), width), -1, dtype=np.int64)
             for b, c in enumerate(chunks):
                 keep[b, : len(c.token_ids)] = [self.keep_slot(c.slot, t) for t in range(len(c.token_ids))]
-            batch = _with_keep(batch, torch.from_numpy(keep).to(device))
+            batch = replace(batch, keep_slots=torch.from_numpy(keep).to(device))
         return r.model(batch, r.kv, r.state, hidden_out=True)
 
     def _adopt(self, c: Chunk, accepted: int) -> None:
@@ -174,7 +169,7 @@ class SpecDecoder:
                                  emitted[-1].token_id if c.sample else None, flat, ckpts))
         drafter.commit(rows)
         drafting = [row for row in rows if row.next_token is not None]
-        proposals = iter(drafter.draft(drafting, self.k) if self.k else [[] for _ in drafting])
+        proposals = iter(drafter.draft(drafting, self.k))
         results = []
         for c, row in zip(chunks, rows):
             if not c.sample:
@@ -192,14 +187,9 @@ class SpecDecoder:
     def _flat(self, row: int, n: int) -> torch.Tensor:
         """Flat KV slots of positions 0 .. n - 1 of a request-table row, from its page ids."""
         P = self.runner.page_size
-        pages = self.runner.table.page_ids[row]
         positions = np.arange(n)
-        page = pages[np.minimum(positions // P, len(pages) - 1)].astype(np.int64)
+        page = self.runner.table.page_ids[row, positions // P].astype(np.int64)
         return torch.from_numpy(page * P + positions % P)
-
-
-def _with_keep(batch: ForwardBatch, keep: torch.Tensor) -> ForwardBatch:
-    return replace(batch, keep_slots=keep)
 
 
 def draft_spec(model, window: int) -> DraftSpec:
@@ -213,19 +203,20 @@ def keep_slots_needed(rows: int, spec_tokens: int) -> int:
     return rows * (spec_tokens + 1) if spec_tokens else 0
 
 
-def with_paged_draft(model, layout, layer_map: dict[int, int], draft: DraftSpec | None):
-    """(layout, layer_map) of the KV pool, one storage layer longer when the draft K/V are paged (W = 0);
-    the draft layer is model layer cfg.num_hidden_layers."""
-    layer_map = dict(layer_map)
+def with_paged_draft(model, layout, draft: DraftSpec | None):
+    """(layout, layer_map) of the model's KV pool, one storage layer longer when the draft K/V are paged
+    (W = 0); the draft layer is model layer cfg.num_hidden_layers."""
+    layer_map = dict(model.layer_map)
     if draft is not None and not draft.window:
         layer_map[model.cfg.num_hidden_layers] = layout.num_layers
         layout = replace(layout, num_layers=layout.num_layers + 1)
     return layout, layer_map
 
 
-def attach(runner, draft: DraftSpec, spec_tokens: int, keep_base: int) -> SpecDecoder:
-    """Make `runner` (its model loaded with the MTP module, its pools built with `draft`) speculate."""
+def attach(runner, draft: DraftSpec, spec_tokens: int, keep_base: int, oracle: str | None = None) -> SpecDecoder:
+    """Make `runner` (its model loaded with the MTP module, its pools built with `draft`) speculate;
+    `oracle`: a file of known continuations to propose instead (benchmarks, OracleProposer)."""
     model, kv = runner.model, runner.kv
-    store = DraftStore(draft, runner.state, kv, kv.layer_map.get(model.cfg.num_hidden_layers), runner.page_size)
-    runner.spec = SpecDecoder(runner, spec_tokens, Drafter(model, store), keep_base)
+    store = DraftStore(draft, runner.state, kv, kv.layer_map.get(model.cfg.num_hidden_layers))
+    runner.spec = SpecDecoder(runner, spec_tokens, Drafter(model, store), keep_base, oracle)
     return runner.spec

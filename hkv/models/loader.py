@@ -261,18 +261,18 @@ def describe_model(path: str | Path) -> ModelSpec:
                       linear_k_dim=cfg.linear_key_head_dim, linear_v_dim=cfg.linear_value_head_dim,
                       conv_kernel=cfg.linear_conv_kernel_dim)
     return ModelSpec(
-        family=hf_config["model_type"], layer_kinds=kinds, vocab_size=cfg.vocab_size, mtp_layers=_mtp_layers(folder),
+        family=hf_config["model_type"], layer_kinds=kinds, vocab_size=cfg.vocab_size,
         max_context=cfg.max_position_embeddings, eos_ids=Tokenizer.from_folder(folder).eos_token_ids,
         hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim, declared_dtype=declared if isinstance(declared, str) else None, **linear,
     )
 
 
-def _mtp_layers(folder: Path) -> int:
-    """MTP layers whose weights (mtp.fc and mtp.layers.N.*) the folder's safetensors hold; 0 without weights
-    (a described folder need not have them yet: the rank's load says what is missing)."""
+def mtp_layers(path: str | Path) -> int:
+    """MTP layers whose weights (mtp.fc and mtp.layers.N.*) the folder's safetensors hold (what
+    --spec-tokens drafts with); 0 without weights (the rank's load then says what is missing)."""
     try:
-        names = [n for shard in find_weight_shards(folder) for n in shard.tensor_names]
+        names = [n for shard in find_weight_shards(Path(path)) for n in shard.tensor_names]
     except ModelLoadError:
         return 0
     if "mtp.fc.weight" not in names:

@@ -113,7 +113,7 @@ class MTPModule(nn.Module):
         )
         return q, gate, k_out[:, 0], v_out[:, 0], residual
 
-    def finish_batch(self, q: torch.Tensor, gate: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    def finish(self, q: torch.Tensor, gate: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      visible: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """One query per row, q [B, Hq, D], over keys/values [B, M, Hkv, D] where `visible` [B, M] ->
         the entries' outputs [B, H] after mtp.norm."""
@@ -129,30 +129,15 @@ class MTPModule(nn.Module):
         h, _ = self.norm(self.layer.mlp(h), residual)
         return h
 
-    def finish(self, q: torch.Tensor, gate: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               residual: torch.Tensor) -> torch.Tensor:
-        """One query row [1, Hq, D] over its keys/values [m, Hkv, D] (all visible) -> the entry's output
-        [1, H] after mtp.norm (what the output head reads and the next draft takes as its hidden)."""
-        att = self.layer.self_attn
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), scale=att.scale, enable_gqa=True
-        ).transpose(0, 1)  # [1, Hq, D]
-        out = out * torch.sigmoid(gate)
-        h = att.o_proj(out.reshape(1, -1))
-        h, residual = self.layer.post_attention_layernorm(h, residual)
-        h, _ = self.norm(self.layer.mlp(h), residual)
-        return h
-
 
 class DraftStore:
     """Where a rank keeps the draft layer's K/V: the state pool's rings (W > 0) or a KV storage layer (W = 0)."""
 
-    def __init__(self, spec: DraftSpec, state, kv=None, layer: int | None = None, page_size: int = 0) -> None:
+    def __init__(self, spec: DraftSpec, state, kv=None, layer: int | None = None) -> None:
         self.spec = spec
         self.state = state  # StatePool with mtp_hidden (and draft_k/draft_v when W > 0)
         self.kv = kv  # KVPool holding the paged draft layer (W = 0)
         self.layer = layer  # its storage layer
-        self.page_size = page_size
 
     def write(self, slots: torch.Tensor, flat: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
@@ -187,7 +172,7 @@ class DraftRow:
     commit_start: int  # ... commit_start, commit_start + 1, ...
     hidden: torch.Tensor  # [len(commit_tokens), H] the target's hidden states AT those positions
     next_token: int | None  # the token just emitted (drafting starts from it); None: nothing to draft
-    flat: torch.Tensor | None = None  # paged (W = 0): flat KV slots of positions 0 .. end (end included)
+    flat: torch.Tensor | None = None  # paged (W = 0): flat KV slots of its positions 0 .. L - 1
     checkpoints: tuple[tuple[int, int], ...] = ()  # (depth, state slot): in-chunk checkpoints to give its state
 
 
@@ -229,8 +214,10 @@ class Drafter:
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
         x = self.mtp.entry_input(h_in, self.embed(torch.tensor(tokens, dtype=torch.long, device=device)))
         _, _, k, v, _ = self.mtp.project(x, pos, self.model.rotary)
+        offset = 0
         for r in rows:  # in-chunk checkpoints first: they read the ring as it was before this chunk
-            self._checkpoint_states(r, k, v, rows, positions)
+            self._checkpoint_states(r, k[offset:], v[offset:])
+            offset += len(r.commit_tokens)
         # entry 0 does not exist; a ring keeps each slot's last W entries (one write per ring cell)
         ends = torch.cat([torch.full((len(r.commit_tokens),), r.commit_start + len(r.commit_tokens)) for r in rows])
         keep = (pos >= 1) & ((pos >= ends.to(device) - W) if W else True)
@@ -239,12 +226,10 @@ class Drafter:
         for r in rows:
             state.mtp_hidden[r.state_slot].copy_(r.hidden[len(r.commit_tokens) - 1])
 
-    def _checkpoint_states(self, r: DraftRow, k, v, rows, positions) -> None:
-        """An in-chunk checkpoint at depth d gets h_{d-1} and, with a ring, the entries d - W + 1 .. d - 1."""
-        if not r.checkpoints:
-            return
+    def _checkpoint_states(self, r: DraftRow, k: torch.Tensor, v: torch.Tensor) -> None:
+        """An in-chunk checkpoint at depth d gets h_{d-1} and, with a ring, the entries d - W + 1 .. d - 1
+        (k, v: the commit's K/V from this row's first entry on)."""
         state, W = self.store.state, self.store.spec.window
-        offset = sum(len(o.commit_tokens) for o in rows[: rows.index(r)])
         for depth, ckpt in r.checkpoints:
             state.mtp_hidden[ckpt].copy_(r.hidden[depth - r.commit_start - 1])
             if not W:
@@ -254,7 +239,7 @@ class Drafter:
             lo = max(r.commit_start, depth - W + 1, 1)
             if lo >= depth:
                 continue
-            idx = torch.arange(offset + lo - r.commit_start, offset + depth - r.commit_start)
+            idx = torch.arange(lo - r.commit_start, depth - r.commit_start)
             pos = torch.arange(lo, depth, device=k.device)
             ids = torch.full_like(pos, ckpt)
             dispatch.ring_write(state.draft_k, ids, pos, k[idx.to(k.device)].contiguous())
@@ -263,12 +248,10 @@ class Drafter:
     def draft(self, rows: list[DraftRow], count: int) -> list[list[int]]:
         """`count` greedy guesses per row after its next_token, all rows at once: the entry at L (the
         stored h_{L-1} and next_token), then each guess's entry from the previous output."""
-        rows = [r for r in rows]
         if not rows or count <= 0:
             return [[] for _ in rows]
-        state, store, W = self.store.state, self.store, self.store.spec.window
+        state, W = self.store.state, self.store.spec.window
         device = state.mtp_hidden.device
-        B = len(rows)
         L = torch.tensor([r.commit_start + len(r.commit_tokens) for r in rows], dtype=torch.long, device=device)
         slots = torch.tensor([r.state_slot for r in rows], dtype=torch.long, device=device)
         old_k, old_v, old_pos = self._committed(rows, L, slots)  # [B, M, Hkv, D] x2, [B, M] (-1: none)
@@ -287,7 +270,7 @@ class Drafter:
             visible = (key_pos >= 1) & (key_pos <= p[:, None])
             if W:
                 visible &= key_pos > (p[:, None] - W)
-            hidden = self.mtp.finish_batch(q, gate, keys, values, visible, residual)  # [B, H]
+            hidden = self.mtp.finish(q, gate, keys, values, visible, residual)  # [B, H]
             token = self.logits(hidden).argmax(dim=-1)
             out.append(token)
         return torch.stack(out, dim=1).tolist()

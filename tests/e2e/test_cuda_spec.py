@@ -11,14 +11,13 @@ cached prefixes. The trained built-in tiny-hybrid then shows drafts accepted on 
 from __future__ import annotations
 
 import signal
-import urllib.request
 
 import pytest
 import torch
 
 from tests.e2e.harness import assert_clean, launch
 from tests.e2e.test_cuda_launch import FLAGS, _prompts, _serve, checkpoint, launch_command  # noqa: F401 (fixtures)
-from tests.e2e.test_spec_decoding import add_mtp_weights
+from tests.e2e.test_spec_decoding import _metric, add_mtp_weights
 from tests.models.torch_reference import reference_logits
 from tests.reference import MARGIN
 
@@ -27,11 +26,6 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
 def _check_greedy(folder, prompts, outputs, work_dir):

@@ -43,8 +43,7 @@ class Engine:
                           prefix_cache=True, hybrid=True, interval=64, state_slots=SLOTS, align=64, max_pages=64,
                           spec_tokens=spec_tokens)
         draft = spec.draft_spec(model, window)
-        layout, layer_map = spec.with_paged_draft(model, model.kv_layout(PAGES, PAGE, "float32", "cpu"),
-                                                  model.layer_map, draft)
+        layout, layer_map = spec.with_paged_draft(model, model.kv_layout(PAGES, PAGE, "float32", "cpu"), draft)
         kv = KVPool(layout, layer_map)
         keep = spec.keep_slots_needed(ROWS, spec_tokens)
         state = StatePool(model.state_layout(SLOTS + keep, device="cpu"), draft)
