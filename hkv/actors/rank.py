@@ -66,11 +66,8 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
             log.warning("prefill warm-up failed (%s: %s); the first prefills will compile their kernels",
                         type(exc).__name__, exc)
     pages = cfg.cache.num_pages
-    if pages is None:
+    if pages is None:  # the paged draft layer (W = 0) is part of every page's bytes there
         pages = sizing.pages_from_memory(cfg, model, state)
-        if draft is not None and not draft.window:  # the paged draft layer takes its share of every page
-            layers = len(model.layer_map)
-            pages = max(2, pages * layers // (layers + 1))
     layout = model.kv_layout(pages + extra, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
     layout, layer_map = spec.with_paged_draft(model, layout, draft)  # W = 0: one more layer
     kv = KVPool(layout, layer_map)
@@ -79,15 +76,20 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
     scratch = (pages, slots if state is not None else None) if on_cuda else None
     runner = ModelRunner(model, kv, state, table, cfg.cache.page_size, cfg.model.device, scratch=scratch,
                          max_tokens=cfg.scheduler.chunked_prefill_size + cfg.scheduler.max_running_requests,
-                         graph_max_bs=0 if drafting else cfg.model.cuda_graph_max_bs)  # verify graphs: not yet
+                         graph_max_bs=0 if drafting else cfg.model.cuda_graph_max_bs)  # drafting: verify graphs
     if drafting:
-        spec.attach(runner, draft, cfg.spec.spec_tokens, slots + extra, cfg.spec.oracle)
+        spec.attach(runner, draft, cfg.spec.spec_tokens, slots + extra, cfg.spec.oracle, cfg.model.cuda_graph_max_bs)
         log.info("speculative decoding: %d MTP drafts a step, draft window %s, %.1f KiB of drafter state a slot",
                  cfg.spec.spec_tokens, draft.window or "full length (paged)", state.draft_bytes_per_slot() / 1024)
     seconds = runner.capture_graphs()
     if runner.graphs is not None:
         log.info("CUDA graphs: %d decode buckets up to batch %d in %.1f s", len(runner.graphs.graphs),
                  runner.graphs.max_bs, seconds)
+    verify_graphs = runner.spec.graphs if runner.spec is not None else None
+    if verify_graphs is not None:
+        log.info("CUDA graphs: %d verify buckets up to batch %d (%d tokens a row%s) in %.1f s",
+                 len(verify_graphs.graphs), verify_graphs.max_bs, verify_graphs.q,
+                 ", drafter included" if verify_graphs.ring else "", seconds)
     return runner, pages, slots
 
 

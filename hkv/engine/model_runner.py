@@ -73,6 +73,7 @@ class ModelRunner:
         self.arena: StepArena | None = None  # CUDA: the eager steps' metadata buffer
         self.graphs: DecodeGraphs | None = None
         self.spec = None  # hkv.engine.spec.SpecDecoder when drafting (--spec-tokens), set by its builder
+        self.scratch: tuple[int, int | None] | None = None  # CUDA: the graph rows' scratch page and state slot
         # the CUDA path's arena, mirrored page table and decode buckets; tests also take it on CPU
         if self.device.type == "cuda" if device_metadata is None else device_metadata:
             self._init_cuda(scratch, max_tokens, graph_max_bs)
@@ -80,6 +81,7 @@ class ModelRunner:
     def _init_cuda(self, scratch: tuple[int, int | None] | None, max_tokens: int, graph_max_bs: int) -> None:
         if scratch is None or max_tokens <= 0:
             raise ValueError("a CUDA runner needs a scratch page (and slot) and the step token budget")
+        self.scratch = scratch
         layout = self.table.layout
         self.pages = DevicePageTable(layout.slots, layout.max_pages, self.device, scratch[0])
         seqs = layout.slots
@@ -94,8 +96,12 @@ class ModelRunner:
                                        self.attn_dims, scratch[1], self.page_size)
 
     def capture_graphs(self) -> float:
-        """Capture the decode graphs (start-up); returns the seconds it took (0 without graphs)."""
-        return self.graphs.capture_all() if self.graphs is not None else 0.0
+        """Capture the decode graphs and, when speculating, the verify graphs (start-up); returns the
+        seconds it took (0 without graphs)."""
+        seconds = self.graphs.capture_all() if self.graphs is not None else 0.0
+        if self.spec is not None and self.spec.graphs is not None:
+            seconds += self.spec.graphs.capture_all()
+        return seconds
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan and wait for its result; failures become a StepResult with `error` set."""

@@ -26,6 +26,7 @@ ahead of its result).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -39,6 +40,7 @@ from hkv.ipc.messages import Chunk, Emitted, Sampled, StepPlan
 from hkv.models.batch import ForwardBatch
 from hkv.models.mtp import DraftRow, Drafter, DraftSpec, DraftStore
 
+log = logging.getLogger("hkv.rank")
 # tests: (request-table row, position of the first proposal, the drafter's proposals) -> the proposals to send
 Proposer = Callable[[int, int, list[int]], list[int]]
 ORACLE_KEY = 32  # prompt tokens that identify a sequence to the oracle
@@ -48,20 +50,43 @@ class OracleProposer:
     """Benchmarks only (`HKV_SPEC_ORACLE=file`, read by hkv.config; docs/spec.md): propose a sequence's known continuation,
     to measure the speedup the verify machinery allows when every draft is right.
 
-    The file is JSON, [{"prompt": [ids], "output": [ids]}, ...] (hkv-bench --save-outputs writes it
-    from a run without speculation). A sequence is recognised by its first ORACLE_KEY prompt tokens,
-    seen when its first chunk starts at position 0; sequences it does not know (or that start from
-    a cache hit) get the MTP module's own proposals.
+    The file is JSON, [{"prompt": [ids], "output": [ids]}, ...] (hkv-bench --save-outputs writes it).
+    A sequence is recognised by its first ORACLE_KEY prompt tokens, seen when its first chunk starts
+    at position 0; sequences it does not know (or that start from a cache hit) get the MTP module's
+    own proposals. The file may appear or change while serving: it is read again when its
+    modification time changes, so one server can record its own greedy outputs (a first hkv-bench
+    run with --save-outputs) and then replay them as the oracle (a second run): the same
+    configuration computes the same tokens, so an oracle taken from it is right at every draft.
     """
 
     def __init__(self, path: str) -> None:
-        import json
-
-        entries = json.loads(open(path, encoding="utf-8").read())
-        self.known = {tuple(e["prompt"][:ORACLE_KEY]): [*e["prompt"], *e["output"]] for e in entries}
+        self.path = path
+        self.stamp: tuple[int, int] | None = None  # (mtime_ns, size) of the file as last read
+        self.known: dict[tuple[int, ...], list[int]] = {}
         self.rows: dict[int, list[int]] = {}
 
+    def _refresh(self) -> None:
+        import json
+        import os
+
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return  # not written yet: the MTP module proposes
+        if (st.st_mtime_ns, st.st_size) == self.stamp:
+            return
+        try:
+            entries = json.loads(open(self.path, encoding="utf-8").read())
+            known = {tuple(e["prompt"][:ORACLE_KEY]): [*e["prompt"], *e["output"]] for e in entries}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("oracle file %s unreadable (%s); keeping the previous one", self.path, exc)
+            return
+        self.known, self.stamp = known, (st.st_mtime_ns, st.st_size)
+        log.info("oracle: %d known continuations from %s", len(known), self.path)
+
     def observe(self, plan: StepPlan) -> None:
+        if plan.new:
+            self._refresh()
         for seq in plan.new:
             self.rows.pop(seq.slot, None)
         for c in plan.chunks:
@@ -69,6 +94,8 @@ class OracleProposer:
                 sequence = self.known.get(tuple(c.token_ids[:ORACLE_KEY]))
                 if sequence is not None:
                     self.rows[c.slot] = sequence
+                else:
+                    self.rows.pop(c.slot, None)
 
     def __call__(self, row: int, first: int, got: list[int]) -> list[int]:
         sequence = self.rows.get(row)
@@ -86,6 +113,7 @@ class SpecDecoder:
         self.drafter = drafter
         self.keep_base = keep_base
         self.propose: Proposer | None = OracleProposer(oracle) if oracle else None
+        self.graphs = None  # hkv.engine.spec_graphs.VerifyGraphs: verify steps replayed from CUDA graphs
 
     def keep_slot(self, row: int, t: int) -> int:
         return self.keep_base + row * (self.k + 1) + t
@@ -98,13 +126,18 @@ class SpecDecoder:
             self.propose.observe(plan)
         if any(c.follows for c in chunks):
             raise ValueError("a drafting rank got a chunk planned ahead of its result (Chunk.follows)")
-        plain = [c for c in chunks if c.drafts == 0]
-        checking = [c for c in chunks if c.drafts > 0]
+        graphed = self.graphs.take(chunks) if self.graphs is not None else []
+        drafted: dict[int, list[int]] = {}  # slot -> proposals drafted in a graph
         out: dict[int, tuple[list, list[int], torch.Tensor]] = {}  # slot -> (emitted, committed tokens, hidden)
+        if graphed:
+            drafted, out = self.graphs.run(graphed)
+        eager = [c for c in chunks if c.slot not in drafted and c.slot not in out]
+        plain = [c for c in eager if c.drafts == 0]
+        checking = [c for c in eager if c.drafts > 0]
         if plain:
             logits, hidden = self._forward(plain, verify_rows=False)
             rows = [c for c in plain if c.sample]
-            outs = sample(logits, [self._row(c, c.start_pos + len(c.token_ids)) for c in rows]) if rows else []
+            outs = sample(logits, [self.row(c, c.start_pos + len(c.token_ids)) for c in rows]) if rows else []
             emitted = dict(zip((c.slot for c in rows), outs))
             start = 0
             for c in plain:
@@ -113,17 +146,24 @@ class SpecDecoder:
                 start += n
         if checking:
             logits, hidden = self._forward(checking, verify_rows=True)
-            start = 0
+            start, live, kept = 0, [], []
             for c in checking:
                 n = len(c.token_ids)
-                v = verify(logits[start:start + n], c.token_ids[1:], self._row(c, c.start_pos + 1))
-                self._adopt(c, v.accepted)
+                v = verify(logits[start:start + n], c.token_ids[1:], self.row(c))
+                live.append(self.runner.state_slots[c.slot])
+                kept.append(self.keep_slot(c.slot, v.accepted))
                 out[c.slot] = (v.outputs, c.token_ids[:v.accepted + 1], hidden[start:start + v.accepted + 1])
                 start += n
-        return self._draft(chunks, out)
+            self.adopt_many(live, kept)
+        by_slot = self._draft([c for c in chunks if c.slot in out and c.slot not in drafted], out)
+        for c in graphed:
+            if c.slot in drafted:
+                by_slot[c.slot] = self._sampled(c, out[c.slot], drafted[c.slot])
+        return [by_slot[c.slot] for c in chunks if c.sample]
 
-    def _row(self, c: Chunk, position: int) -> SampleRow:
-        return SampleRow(self.runner.sampling[c.slot], position)
+    def row(self, c: Chunk, position: int | None = None) -> SampleRow:
+        """The sampling row of a chunk's first emitted token (or of `position`)."""
+        return SampleRow(self.runner.sampling[c.slot], c.start_pos + 1 if position is None else position)
 
     def _forward(self, chunks: list[Chunk], verify_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One target forward over `chunks`: (logits of the sampled rows, or of every row when verifying;
@@ -146,16 +186,20 @@ class SpecDecoder:
             batch = replace(batch, keep_slots=torch.from_numpy(keep).to(device))
         return r.model(batch, r.kv, r.state, hidden_out=True)
 
-    def _adopt(self, c: Chunk, accepted: int) -> None:
-        """The linear state after the last accepted token becomes the live one (conv and recurrent only:
-        the drafter's part of the live slot moves on in commit)."""
-        state, live = self.runner.state, self.runner.state_slots[c.slot]
-        src = self.keep_slot(c.slot, accepted)
-        state.conv[:, live].copy_(state.conv[:, src])
-        state.recurrent[:, live].copy_(state.recurrent[:, src])
+    def adopt_many(self, live: list[int], kept: list[int]) -> None:
+        """The linear state after each sequence's last accepted token (its keep slot) becomes its live
+        state (conv and recurrent only: the drafter's part of the live slot moves on in commit)."""
+        if not live:
+            return
+        state = self.runner.state
+        dst = torch.tensor(live, dtype=torch.long, device=state.conv.device)
+        src = torch.tensor(kept, dtype=torch.long, device=state.conv.device)
+        state.conv.index_copy_(1, dst, state.conv.index_select(1, src))
+        state.recurrent.index_copy_(1, dst, state.recurrent.index_select(1, src))
 
-    def _draft(self, chunks: list[Chunk], out: dict) -> list[Sampled]:
-        """Commit every chunk's kept tokens, then draft after every sampling chunk's last emitted token."""
+    def _draft(self, chunks: list[Chunk], out: dict) -> dict[int, Sampled]:
+        """Commit every chunk's kept tokens, then draft after every sampling chunk's last emitted token;
+        slot -> the Sampled of every sampling chunk."""
         r, drafter = self.runner, self.drafter
         paged = not drafter.store.spec.window
         rows = []
@@ -170,19 +214,18 @@ class SpecDecoder:
         drafter.commit(rows)
         drafting = [row for row in rows if row.next_token is not None]
         proposals = iter(drafter.draft(drafting, self.k))
-        results = []
-        for c, row in zip(chunks, rows):
-            if not c.sample:
-                continue
-            emitted = out[c.slot][0]
-            guess = next(proposals)
-            if self.propose is not None:
-                first = row.commit_start + len(row.commit_tokens) + 1
-                guess = list(self.propose(c.slot, first, guess))[: self.k]
-            head, rest = emitted[0], emitted[1:]
-            results.append(Sampled(c.slot, head.token_id, head.logprob, head.top_logprobs,
-                                   [Emitted(o.token_id, o.logprob, o.top_logprobs) for o in rest], guess))
-        return results
+        return {c.slot: self._sampled(c, out[c.slot], next(proposals)) for c in chunks if c.sample}
+
+    def _sampled(self, c: Chunk, outcome: tuple, guess: list[int]) -> Sampled:
+        """A sampling chunk's result from its (emitted, committed, hidden): the emitted tokens and the
+        next drafts (the proposer's, when set)."""
+        emitted, committed, _ = outcome
+        if self.propose is not None:
+            first = c.start_pos + len(committed) + 1  # the position of the first draft
+            guess = list(self.propose(c.slot, first, guess))[: self.k]
+        head, rest = emitted[0], emitted[1:]
+        return Sampled(c.slot, head.token_id, head.logprob, head.top_logprobs,
+                       [Emitted(o.token_id, o.logprob, o.top_logprobs) for o in rest], guess)
 
     def _flat(self, row: int, n: int) -> torch.Tensor:
         """Flat KV slots of positions 0 .. n - 1 of a request-table row, from its page ids."""
@@ -213,10 +256,21 @@ def with_paged_draft(model, layout, draft: DraftSpec | None):
     return layout, layer_map
 
 
-def attach(runner, draft: DraftSpec, spec_tokens: int, keep_base: int, oracle: str | None = None) -> SpecDecoder:
+def attach(runner, draft: DraftSpec, spec_tokens: int, keep_base: int, oracle: str | None = None,
+           graph_max_bs: int = 0) -> SpecDecoder:
     """Make `runner` (its model loaded with the MTP module, its pools built with `draft`) speculate;
-    `oracle`: a file of known continuations to propose instead (benchmarks, OracleProposer)."""
+    `oracle`: a file of known continuations to propose instead (benchmarks, OracleProposer);
+    graph_max_bs > 0 on a runner with device metadata: verify steps of up to that many sequences
+    replay CUDA graphs (captured by ModelRunner.capture_graphs)."""
+    from hkv.engine.spec_graphs import VerifyGraphs
+
     model, kv = runner.model, runner.kv
     store = DraftStore(draft, runner.state, kv, kv.layer_map.get(model.cfg.num_hidden_layers))
     runner.spec = SpecDecoder(runner, spec_tokens, Drafter(model, store), keep_base, oracle)
+    if graph_max_bs > 0 and runner.pages is not None and getattr(model, "graph_safe", True):
+        try:
+            runner.spec.graphs = VerifyGraphs(runner, runner.spec, min(graph_max_bs, runner.table.layout.slots),
+                                              runner.scratch[1])
+        except ValueError as exc:  # a shape the graphs do not cover: verify steps run eagerly
+            log.warning("verify steps run eagerly: %s", exc)
     return runner.spec

@@ -48,20 +48,22 @@ class Verified:
     accepted: int  # how many drafts were kept (0..len(drafts))
 
 
-def verify(logits: torch.Tensor, drafts: list[int], row: SampleRow) -> Verified:
+def verify(logits: torch.Tensor, drafts: list[int], row: SampleRow, targets: list[int] | None = None) -> Verified:
     """Keep a prefix of `drafts` and emit one more token after it.
 
     logits: [len(drafts) + 1, vocab] fp32, the target's logits at the verify chunk's rows;
     row i scores the token at position row.position + i, which drafts[i] proposes
     (row.position is the position of the first token this step emits). Outputs carry the
-    logprobs of the raw row that scored them, as `sample` gives them.
+    logprobs of the raw row that scored them, as `sample` gives them. targets: the rows' argmax
+    when the caller has them on the host already (greedy rows then read no logits).
     """
     k = len(drafts)
     if logits.dim() != 2 or logits.shape[0] != k + 1:
         raise ValueError(f"verify needs [{k + 1}, vocab] logits for {k} drafts, got {list(logits.shape)}")
     params = row.sampling
     if params.temperature < GREEDY_BELOW:
-        targets = logits.argmax(dim=-1).tolist()  # [k + 1]
+        if targets is None:
+            targets = logits.argmax(dim=-1).tolist()  # [k + 1]
         accepted = 0
         while accepted < k and drafts[accepted] == targets[accepted]:
             accepted += 1

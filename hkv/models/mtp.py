@@ -250,13 +250,23 @@ class Drafter:
         stored h_{L-1} and next_token), then each guess's entry from the previous output."""
         if not rows or count <= 0:
             return [[] for _ in rows]
-        state, W = self.store.state, self.store.spec.window
-        device = state.mtp_hidden.device
+        device = self.store.state.mtp_hidden.device
         L = torch.tensor([r.commit_start + len(r.commit_tokens) for r in rows], dtype=torch.long, device=device)
         slots = torch.tensor([r.state_slot for r in rows], dtype=torch.long, device=device)
-        old_k, old_v, old_pos = self._committed(rows, L, slots)  # [B, M, Hkv, D] x2, [B, M] (-1: none)
-        hidden = state.mtp_hidden.index_select(0, slots)  # [B, H]
         token = torch.tensor([r.next_token for r in rows], dtype=torch.long, device=device)
+        committed = self._ring(L, slots) if self.store.spec.window else self._paged(rows, device)
+        return self._draft(L, slots, token, count, committed).tolist()
+
+    def draft_ring(self, L: torch.Tensor, slots: torch.Tensor, token: torch.Tensor, count: int) -> torch.Tensor:
+        """draft() for ring windows from device tensors (a CUDA graph's drafter pass): L [B] lengths,
+        slots [B] state slots, token [B] the tokens just emitted -> [B, count] guesses."""
+        return self._draft(L, slots, token, count, self._ring(L, slots))
+
+    def _draft(self, L, slots, token, count: int, committed) -> torch.Tensor:
+        state, W = self.store.state, self.store.spec.window
+        device = L.device
+        old_k, old_v, old_pos = committed  # [B, M, Hkv, D] x2, [B, M] (-1: none)
+        hidden = state.mtp_hidden.index_select(0, slots)  # [B, H]
         new_k, new_v, out = [], [], []
         for j in range(count):
             p = L + j  # [B] the entries' positions
@@ -273,20 +283,21 @@ class Drafter:
             hidden = self.mtp.finish(q, gate, keys, values, visible, residual)  # [B, H]
             token = self.logits(hidden).argmax(dim=-1)
             out.append(token)
-        return torch.stack(out, dim=1).tolist()
+        return torch.stack(out, dim=1)
 
-    def _committed(self, rows, L, slots):
-        """The committed draft K/V every row's drafts may see, padded: ring mode its W cells, paged mode
-        positions 1 .. L - 1; with each key's position (-1 for padding)."""
+    def _ring(self, L, slots):
+        """Ring windows: every row's W cells, with the newest position each holds (< L; -1: none)."""
         store, W = self.store, self.store.spec.window
-        device = L.device
-        if W:
-            cells = torch.arange(W, device=device)[None]  # [1, W]
-            last = (L - 1)[:, None]
-            pos = last - torch.remainder(last - cells, W)  # the newest position each cell holds (< L)
-            pos = torch.where(pos >= 1, pos, torch.full_like(pos, -1))
-            return store.state.draft_k.index_select(0, slots), store.state.draft_v.index_select(0, slots), pos
-        M = max(1, int(L.max()) - 1)
+        cells = torch.arange(W, device=L.device)[None]  # [1, W]
+        last = (L - 1)[:, None]
+        pos = last - torch.remainder(last - cells, W)
+        pos = torch.where(pos >= 1, pos, torch.full_like(pos, -1))
+        return store.state.draft_k.index_select(0, slots), store.state.draft_v.index_select(0, slots), pos
+
+    def _paged(self, rows, device):
+        """Paged draft layer: positions 1 .. L - 1 of every row, padded, with each key's position (-1: padding)."""
+        store = self.store
+        M = max(1, max(r.commit_start + len(r.commit_tokens) for r in rows) - 1)
         kc, vc = store.kv.k[store.layer], store.kv.v[store.layer]
         kflat, vflat = kc.reshape(-1, *kc.shape[2:]), vc.reshape(-1, *vc.shape[2:])
         flat = torch.zeros(len(rows), M, dtype=torch.long)

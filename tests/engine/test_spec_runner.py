@@ -38,17 +38,27 @@ def model(tmp_path_factory):
 class Engine:
     """A router and a rank in one process, one plan at a time."""
 
-    def __init__(self, model, spec_tokens: int, window: int, budget: int = 48):
+    def __init__(self, model, spec_tokens: int, window: int, budget: int = 48, graphs: bool = False):
+        """graphs: the device path (arena, device page table) with verify steps replayed from
+        VerifyGraphs' static buffers, eagerly off CUDA, as on a GPU minus the capture."""
         self.sched = make(num_pages=PAGES, page_size=PAGE, max_running=ROWS, budget=budget, max_context=2048,
                           prefix_cache=True, hybrid=True, interval=64, state_slots=SLOTS, align=64, max_pages=64,
                           spec_tokens=spec_tokens)
         draft = spec.draft_spec(model, window)
-        layout, layer_map = spec.with_paged_draft(model, model.kv_layout(PAGES, PAGE, "float32", "cpu"), draft)
+        extra = 1 if graphs else 0  # the graph rows' scratch page and state slot
+        layout = model.kv_layout(PAGES + extra, PAGE, "float32", "cpu")
+        layout, layer_map = spec.with_paged_draft(model, layout, draft)
         kv = KVPool(layout, layer_map)
         keep = spec.keep_slots_needed(ROWS, spec_tokens)
-        state = StatePool(model.state_layout(SLOTS + keep, device="cpu"), draft)
-        self.runner = ModelRunner(model, kv, state, self.sched.table, PAGE, "cpu")
-        self.spec = spec.attach(self.runner, draft, spec_tokens, SLOTS) if spec_tokens else None
+        state = StatePool(model.state_layout(SLOTS + extra + keep, device="cpu"), draft)
+        self.runner = ModelRunner(model, kv, state, self.sched.table, PAGE, "cpu",
+                                  scratch=(PAGES, SLOTS) if graphs else None, max_tokens=budget + ROWS,
+                                  device_metadata=graphs)
+        self.spec = spec.attach(self.runner, draft, spec_tokens, SLOTS + extra,
+                                graph_max_bs=ROWS if graphs else 0) if spec_tokens else None
+        if graphs:
+            assert self.spec.graphs is not None
+            self.runner.capture_graphs()
         self.window = window
 
     def run(self, requests, on_step=None, limit=500):
@@ -114,14 +124,15 @@ DRAFTERS = {
 
 @pytest.mark.parametrize("window", [16, 0], ids=["ring16", "paged"])
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
-def test_controlled_drafters_keep_every_state_the_run_without_them_has(model, window, drafter):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_controlled_drafters_keep_every_state_the_run_without_them_has(model, window, drafter, graphs):
     requests = _requests([5, 40, 90])
     baseline_states: dict = {}
     plain = Engine(model, 0, 0)
     expected = plain.run(requests, on_step=lambda e: _record_states(e, baseline_states))
     prompts = {r.req_id: r.prompt_ids for r in requests}
 
-    engine = Engine(model, 3, window)
+    engine = Engine(model, 3, window, graphs=graphs)
 
     def future(row, first, count):  # the target's own tokens at positions first, first + 1, ...
         req_id = int(engine.sched.table.req_id[row])
@@ -154,6 +165,8 @@ def test_controlled_drafters_keep_every_state_the_run_without_them_has(model, wi
 
     got = engine.run(requests, on_step=check)
     assert got == expected
+    if graphs:  # the decode steps went through the graphs' buffers (three requests, 23 tokens, <= 4 a step)
+        assert engine.spec.graphs.rows_run >= 3 * 23 // 4
     s = engine.sched
     assert checked, "no step compared the draft state"
     if drafter == "oracle":
@@ -165,9 +178,11 @@ def test_controlled_drafters_keep_every_state_the_run_without_them_has(model, wi
 
 
 @pytest.mark.parametrize("window", [16, 0], ids=["ring16", "paged"])
-@pytest.mark.parametrize("base_len, shared, hit, budget", [(70, 66, 64, 48), (150, 140, 128, 192)],
-                         ids=["chunk-end", "in-chunk"])
-def test_second_requests_hit_the_cached_prefix_and_keep_drafting(model, window, base_len, shared, hit, budget):
+@pytest.mark.parametrize("base_len, shared, hit, budget, graphs",
+                         [(70, 66, 64, 48, False), (150, 140, 128, 192, False), (150, 140, 128, 192, True)],
+                         ids=["chunk-end", "in-chunk", "in-chunk-graphs"])
+def test_second_requests_hit_the_cached_prefix_and_keep_drafting(model, window, base_len, shared, hit, budget,
+                                                                   graphs):
     """A prompt sharing a prefix restores the checkpoint there (one saved at a chunk's end, or one the
     forward kept inside a 144-token chunk), the drafter's state included: the MTP drafter proposes
     exactly what it proposes in a cold run of that prompt."""
@@ -187,10 +202,10 @@ def test_second_requests_hit_the_cached_prefix_and_keep_drafting(model, window, 
             k, _ = engine.spec.drafter.store.read(slot, flat, max(1, L - window) if window else 1, L)
             states[L] = (engine.runner.state.mtp_hidden[slot].clone(), k.clone())
 
-    cold = Engine(model, 2, window, budget)
+    cold = Engine(model, 2, window, budget, graphs)
     cold_log, cold_states = logged(cold), {}
     cold_out = cold.run([again], on_step=lambda e: drafter_states(e, cold_states))
-    warm = Engine(model, 2, window, budget)
+    warm = Engine(model, 2, window, budget, graphs)
     warm.run([base])
     warm_log, warm_states = logged(warm), {}
     hits, tokens = [], []
