@@ -87,10 +87,13 @@ def pages_from_memory(cfg: HkvConfig, model, state) -> int:
     resident = torch.cuda.memory_allocated(dev)  # weights and the state pool
     activations = _activation_peak(model, cfg, state)
     graphs = 0
-    if cfg.model.cuda_graph_max_bs:
-        graphs = cfg.model.cuda_graph_max_bs * model.cfg.vocab_size * 4 + GRAPH_HEADROOM
+    if cfg.model.cuda_graph_max_bs:  # the largest bucket's static logits: decode rows, or verify tokens
+        graphs = graph_logit_rows(cfg) * model.cfg.vocab_size * 4 + GRAPH_HEADROOM
     room = int(cfg.cache.gpu_memory_fraction * total) - resident - activations - graphs
-    page_bytes = model.kv_layout(1, cfg.cache.page_size, cfg.model.dtype, "meta").bytes_per_page()
+    layout = model.kv_layout(1, cfg.cache.page_size, cfg.model.dtype, "meta")
+    page_bytes = layout.bytes_per_page()
+    if cfg.spec.spec_tokens and not cfg.spec.draft_window:  # the paged draft layer: one more layer a page
+        page_bytes = page_bytes * (layout.num_layers + 1) // layout.num_layers
     pages = max(2, room // page_bytes)
     gib = 2**30
     log.info("KV pool sized from %.2f of %.1f GiB: weights and state slots %.1f GiB, activations %.1f GiB, "
@@ -99,6 +102,17 @@ def pages_from_memory(cfg: HkvConfig, model, state) -> int:
     if room < 2 * page_bytes:
         log.warning("the GPU has no room for a KV pool at --gpu-memory-fraction %.2f", cfg.cache.gpu_memory_fraction)
     return pages
+
+
+def graph_logit_rows(cfg: HkvConfig) -> int:
+    """Rows of the largest captured bucket's logits buffer: its decode batch, or with --spec-tokens K
+    its verify tokens (hkv.engine.spec_graphs: at most MAX_VERIFY_TOKENS)."""
+    from hkv.engine.spec_graphs import MAX_VERIFY_TOKENS
+
+    k = cfg.spec.spec_tokens
+    if not k:
+        return cfg.model.cuda_graph_max_bs
+    return max(1, min(cfg.model.cuda_graph_max_bs, MAX_VERIFY_TOKENS // (k + 1))) * (k + 1)
 
 
 WARM_UP_LENS = (129, 64, 1)  # two prompts (the first ends in a partial GDN chunk) and a decode row
