@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the served numbers of issues 11, 12 and 13 (and the built-in model's training, issue 18) on the benchmark model
 # (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
-#   run: bash tools/gpu_bench.sh [parts: train,spec,launch,launch-only,i11,prefix,i12,i13,decode,sweep;
+#   run: bash tools/gpu_bench.sh [parts: train,spec(-test,-bench,-tiny),launch,launch-only,i11,prefix,i12,i13,decode,sweep;
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
@@ -23,6 +23,7 @@ LOG="$OUT/gpu_bench.log"
 PORT=8100
 SERVER_PID=
 wants() { [[ ,$parts, == *,$1,* ]]; }
+wants spec && parts="$parts,spec-test,spec-bench,spec-tiny"  # spec: all three speculative parts
 say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
 start() {  # start NAME [flags...]: a server on $PORT, waits for /ready
@@ -78,7 +79,7 @@ if wants launch || wants launch-only; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
 fi
-{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
+{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
 if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
@@ -137,29 +138,33 @@ if wants i13; then
   }
   merge i13
 fi
-if wants spec; then  # issue 14 (and 18, acceptance 3): speculative decoding on the GPU; spec-tiny: the tiny part alone
-  say "speculative decoding: fp32 parity on CUDA"
+# issue 14 (and 18, acceptance 3): speculative decoding on the GPU
+if wants spec-test; then
+  say "speculative decoding: fp32 parity on CUDA (verify graphs on)"
   timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=240 tests/e2e/test_cuda_spec.py \
     2>&1 | grep -v "weights:" | tail -8 | tee -a "$LOG"
-  SPEC=(--max-running-requests 16 "${MEM[@]}")
+fi
+if wants spec-bench; then
+  # all 16 prompts prefill in one step (8192 tokens) and none hits the cache, so a server computes the same
+  # greedy tokens in every run: its first run (the random MTP head, nothing accepted) records them and its
+  # second proposes them (the oracle re-reads HKV_SPEC_ORACLE when it changes), every draft right
+  SPEC=(--max-running-requests 16 --no-prefix-cache --chunked-prefill-size 8192 "${MEM[@]}")
   sbench() {  # sbench TAG [flags]: 16 random 512-token prompts, 128 out, all at once
     bench "$1" --workload random --input-len "$IN" --range-ratio 1 --output-len "$GEN" --num-prompts 16 \
       --concurrency 16 --warmup 1 "${@:2}"
   }
-fi
-if wants spec; then
-  say "benchmark model: K = 0, then an oracle drafter (the K = 0 run's outputs) at K = 1, 2, 3, then its random MTP"
-  start s_spec0 "${SPEC[@]}" && { sbench spec_k0 --save-outputs /tmp/oracle.json; stop; }
+  say "benchmark model: K = 0; then for K = 1, 2, 3 its random MTP head (recording the outputs), then the oracle"
+  start s_spec0 "${SPEC[@]}" && { sbench spec_k0; stop; }
   for k in 1 2 3; do
-    [[ -s /tmp/oracle.json ]] || break
-    export HKV_SPEC_ORACLE=/tmp/oracle.json
-    start "s_spec$k" "${SPEC[@]}" --spec-tokens "$k" --draft-window 16 && { sbench "spec_oracle_k$k"; stop; }
+    rm -f "/tmp/oracle_k$k.json"
+    export HKV_SPEC_ORACLE=/tmp/oracle_k$k.json
+    start "s_spec$k" "${SPEC[@]}" --spec-tokens "$k" --draft-window 16 && {
+      sbench "spec_mtp_k$k" --save-outputs "/tmp/oracle_k$k.json"; sbench "spec_oracle_k$k"; stop; }
     unset HKV_SPEC_ORACLE
   done
-  start s_specr "${SPEC[@]}" --spec-tokens 2 --draft-window 16 && { sbench spec_mtp_k2; stop; }
   merge spec
 fi
-if wants spec || wants spec-tiny; then
+if wants spec-tiny; then
   say "trained tiny-hybrid: held-out headers, one stream, K = 0..3"
   for k in 0 1 2 3; do
     flags=(); [[ $k != 0 ]] && flags=(--spec-tokens "$k" --draft-window 16)

@@ -344,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     if args.save_outputs is not None:
         outputs = [{"prompt": list(r.prompt), "output": r.output} for r in run.done]
-        args.save_outputs.write_text(json.dumps(outputs) + "\n")
+        partial = args.save_outputs.with_name(args.save_outputs.name + ".partial")
+        partial.write_text(json.dumps(outputs) + "\n")
+        partial.replace(args.save_outputs)  # whole or not at all: a server may be reading it (HKV_SPEC_ORACLE)
     if report["requests"]["failed"]:
         print(f"hkv-bench: {report['requests']['failed']} requests failed, first: "
               f"{report['requests']['first_error']}", file=sys.stderr)
