@@ -332,8 +332,9 @@ class Router:
             "steps": 1,
             "step_wall_s": wall_s,
             "forward_s": result.forward_s,
-            "decode_tokens": sampled,
-            "prefill_tokens": sum(len(c.token_ids) for c in plan.chunks) - sampled,
+            "decode_tokens": sampled + sum(len(s.extra) for s in result.sampled),  # a verify step emits extras
+            # a verify chunk's drafts are neither prompt nor recompute: they count as the tokens they become
+            "prefill_tokens": sum(len(c.token_ids) - c.drafts for c in plan.chunks) - sampled,
         })
         self.record_pools()
         self.record_radix(force=False)

@@ -60,6 +60,11 @@ def _serve_and_check(reference, flags, tmp_path, prompts, max_tokens=16, second=
     pids = server.actor_pids()
     try:
         first = asyncio.run(_complete_all(server.url, [_body(p, max_tokens) for p in prompts]))
+        # drafts run in verify chunks but are no prompt tokens: the counter holds the prompts' uncached tokens
+        # (less each prompt's last one, which the router counts with the sampled tokens)
+        cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in first)
+        prefilled = _metric(server.url, "hkv_engine_prefill_tokens_total")
+        assert prefilled == sum(map(len, prompts)) - cached - len(prompts)
         again = asyncio.run(_complete_all(server.url, [_body(p, max_tokens) for p in second or []]))
         accepted = _metric(server.url, "hkv_spec_accepted_tokens_total")
         verified = _metric(server.url, "hkv_spec_draft_tokens_total")
