@@ -9,8 +9,8 @@ the router never hands out, so they compute garbage no one reads.
     arena   [ input_ids(max_bs) | positions | slot_mapping | ... ]   fixed layout
     bucket b reads the first b entries of every field; logits[:B] are the step's
 
-Prefill and mixed steps run eagerly. A speculative verify step (k + 1 tokens per
-sequence) fits the same scheme with fields of max_bs * (k + 1) tokens.
+Prefill and mixed steps run eagerly. Speculative verify steps (k + 1 tokens per
+sequence) have their own graphs in the same scheme: hkv.engine.spec_graphs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """How many state slots and KV pages fit on the GPU: what --gpu-memory-fraction leaves after
-weights, state slots, the activations of the largest step and the decode graphs.
+weights, state slots, the activations of the largest step and the decode (or verify) graphs.
 
     fraction * total  [ weights | state slots | activations (measured) | graphs (reserve) | KV pages ... ]
 
