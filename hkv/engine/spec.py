@@ -39,6 +39,7 @@ from hkv.engine.step_inputs import StepInputs
 from hkv.ipc.messages import Chunk, Emitted, Sampled, StepPlan
 from hkv.models.batch import ForwardBatch
 from hkv.models.mtp import DraftRow, Drafter, DraftSpec, DraftStore
+from hkv_kernels.dispatch import copy_blocks
 
 log = logging.getLogger("hkv.rank")
 # tests: (request-table row, position of the first proposal, the drafter's proposals) -> the proposals to send
@@ -192,10 +193,9 @@ class SpecDecoder:
         if not live:
             return
         state = self.runner.state
-        dst = torch.tensor(live, dtype=torch.long, device=state.conv.device)
-        src = torch.tensor(kept, dtype=torch.long, device=state.conv.device)
-        state.conv.index_copy_(1, dst, state.conv.index_select(1, src))
-        state.recurrent.index_copy_(1, dst, state.recurrent.index_select(1, src))
+        pairs = torch.tensor([kept, live], dtype=torch.long).to(state.conv.device)
+        copy_blocks(state.conv, state.conv, pairs[0], pairs[1])  # one pass over the bytes, no temporary
+        copy_blocks(state.recurrent, state.recurrent, pairs[0], pairs[1])
 
     def _draft(self, chunks: list[Chunk], out: dict) -> dict[int, Sampled]:
         """Commit every chunk's kept tokens, then draft after every sampling chunk's last emitted token;

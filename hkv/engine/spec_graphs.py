@@ -8,11 +8,18 @@ The B of them that fit run two graphs of the smallest captured bucket b >= B:
              slots, so they change nothing anyone reads; a padding token comes after every real
              token of its row, so the causal mask hides it from them. The logits, the final-norm
              hidden states and the argmax of all b * q rows land in static buffers.
-    (host)   verification (hkv.engine.spec_verify): greedy rows from the argmaxes, in one copy;
-             sampling rows with the rejection sampler on their logits rows
+             It also verifies greedily on the device: each row's accepted count (the drafts that
+             equal the argmax before them) and the token after them.
+    (host)   only when a row samples at temperature > 0 or asks for logprobs: the rejection
+             sampler (hkv.engine.spec_verify) on its logits rows; its accepted counts and tokens
+             overwrite the device's
     post     adopt the accepted position's linear state, commit the kept tokens' MTP entries to
-             the draft rings, store h_{L-1} and draft K tokens: ring windows only (W > 0); with a
-             paged draft layer (W = 0) this part runs eagerly (hkv.engine.spec.SpecDecoder._draft)
+             the draft rings, store h_{L-1} and draft K tokens, all from the accepted counts on
+             the device: ring windows only (W > 0); with a paged draft layer (W = 0) this part
+             runs eagerly (hkv.engine.spec.SpecDecoder._draft)
+
+A greedy step therefore replays both graphs back to back and waits on the device once, for one
+[B, K + 1 + 1 + K] copy: the argmaxes, the accepted count and the next drafts of every row.
 
 Rows past B are padding too: they read and write the scratch page and the scratch state slot
 (ModelRunner's graph scratch), never a sequence's. A row whose padded length would reach past its
@@ -30,6 +37,7 @@ import numpy as np
 import torch
 
 from hkv.engine.cuda_graphs import buckets_up_to
+from hkv.engine.sampler import GREEDY_BELOW, SampleOutput
 from hkv.engine.spec_verify import verify
 from hkv.engine.step_inputs import StepInputs
 from hkv.ipc.messages import Chunk
@@ -42,8 +50,6 @@ MAX_VERIFY_TOKENS = 512  # b * (K + 1) of the largest bucket: its logits buffer 
 
 _SEQ_FIELDS = ("state_slots", "q_start", "q_len", "kv_len", "table_rows", "attn_block_seq", "attn_block_tok",
                "conv_block_seq", "conv_block_tok")
-_POST_SEQ = ("live", "adopt_src", "hidden_idx", "draft_len", "next_token")
-_POST_TOK = ("commit_tokens", "commit_pos", "commit_slots")
 
 
 class VerifyGraphs:
@@ -64,26 +70,29 @@ class VerifyGraphs:
         self.capacity: int = pages.max_pages * runner.page_size  # positions a page-table row covers
         T, B = self.max_bs * self.q, self.max_bs
         fields = dict.fromkeys(("input_ids", "positions", "slot_mapping", "logits_indices", "keep_slots"), T)
-        fields.update(dict.fromkeys(_SEQ_FIELDS, B))
+        fields.update(dict.fromkeys((*_SEQ_FIELDS, "row_len"), B))  # row_len: real tokens a row, 0 = padding
         fields["cu_seqlens"] = B + 1
         self.table_room: int = 4 * B
         fields["table_idx"] = fields["table_val"] = self.table_room
         self.layout = StepArena.layout_of(fields)
         device = kv.k.device
         self.arena = StepArena(max(off + n for off, n in self.layout.values()), device)
-        post = dict.fromkeys(_POST_SEQ, B) | dict.fromkeys(_POST_TOK, T)
-        self.post_layout = StepArena.layout_of(post)
-        self.post_arena = StepArena(max(off + n for off, n in self.post_layout.values()), device)
+        self.views: dict[str, torch.Tensor] = {}  # the arena's fixed views (every pack returns the same)
         model = runner.model
         self.logits = torch.empty(T, model.cfg.vocab_size, dtype=torch.float32, device=device)
         self.hidden = torch.empty(T, model.cfg.hidden_size, dtype=runner.state.mtp_hidden.dtype, device=device)
         self.targets = torch.zeros(T, dtype=torch.long, device=device)
-        self.proposals = torch.zeros(B, spec.k, dtype=torch.long, device=device)
+        # per row: drafts kept and the token after them (the device's greedy verdict, or the host's)
+        self.accepted = torch.zeros(B, dtype=torch.long, device=device)
+        self.next_token = torch.zeros(B, dtype=torch.long, device=device)
+        # per row, one copy to the host: argmaxes [q], accepted count, proposals [K]
+        self.result = torch.zeros(B, 2 * self.q, dtype=torch.long, device=device)
         # bucket -> (forward graph, post graph or None); both None off CUDA
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.cuda.CUDAGraph | None]] = {}
         self.batches: dict[int, ForwardBatch] = {}
         self.pool = None
         self.rows_run: int = 0  # verify rows replayed so far (tests, logs)
+        self.host_rows: int = 0  # ... of which the host verified (sampling or logprobs in their step)
 
     # -- which rows --------------------------------------------------------------------------------
 
@@ -110,9 +119,8 @@ class VerifyGraphs:
         return time.perf_counter() - started
 
     def _capture(self, b: int) -> None:
-        views = self.arena.pack(self._forward_arrays([], None, b), self.layout)
-        batch = self._static_batch(b, views)
-        post = self.post_arena.pack(self._post_arrays([], [], b), self.post_layout)
+        self.views = self.arena.pack(self._forward_arrays([], None, b), self.layout)
+        batch = self._static_batch(b, self.views)
         self.batches[b] = batch
         if self.arena.device.type != "cuda":
             self.graphs[b] = (None, None)
@@ -120,7 +128,7 @@ class VerifyGraphs:
         with torch.inference_mode():
             self._forward(b, batch)  # compile and warm every kernel outside the capture
             if self.ring:
-                self._post(b, post)
+                self._post(b)
             torch.cuda.synchronize()
             forward = torch.cuda.CUDAGraph()
             with torch.cuda.graph(forward, pool=self.pool):
@@ -131,40 +139,61 @@ class VerifyGraphs:
             if self.ring:
                 drafting = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(drafting, pool=self.pool):
-                    self._post(b, post)
+                    self._post(b)
         self.graphs[b] = (forward, drafting)
 
     # -- the captured work -------------------------------------------------------------------------
 
     def _forward(self, b: int, batch: ForwardBatch) -> None:
-        T = b * self.q
+        q, T = self.q, b * self.q
         r = self.runner
         logits, hidden = r.model(batch, r.kv, r.state, hidden_out=True)
         self.logits[:T].copy_(logits)
         self.hidden[:T].copy_(hidden)
-        self.targets[:T].copy_(logits.argmax(dim=-1))
+        targets = logits.argmax(dim=-1)  # [T]
+        self.targets[:T].copy_(targets)
+        # greedy verification: draft j (token j + 1 of the row) is kept while it equals the argmax of the
+        # position before it, and only among the row's real drafts
+        rows = targets.view(b, q)
+        drafts = batch.input_ids.view(b, q)[:, 1:]
+        real = torch.arange(q - 1, device=rows.device)[None] < (self.views["row_len"][:b, None] - 1)
+        accepted = torch.cumprod(((drafts == rows[:, :-1]) & real).long(), dim=1).sum(dim=1)  # [b]
+        self.accepted[:b].copy_(accepted)
+        self.next_token[:b].copy_(rows.gather(1, accepted[:, None])[:, 0])
 
-    def _post(self, b: int, v: dict[str, torch.Tensor]) -> None:
-        """Adopt, commit and draft for bucket b from the post arena's views (ring windows)."""
+    def _post(self, b: int) -> None:
+        """Adopt, commit and draft for bucket b (ring windows), from the accepted counts on the device and
+        the forward arena's views."""
         q, T = self.q, b * self.q
-        state, drafter = self.runner.state, self.spec.drafter
+        state, drafter, v = self.runner.state, self.spec.drafter, self.views
         mtp = drafter.mtp
-        live = v["live"][:b]
-        src = v["adopt_src"][:b]
-        state.conv.index_copy_(1, live, state.conv.index_select(1, src))
-        state.recurrent.index_copy_(1, live, state.recurrent.index_select(1, src))
+        accepted = self.accepted[:b]
+        real = v["row_len"][:b] > 0
+        live = v["state_slots"][:b]
+        kept = v["keep_slots"][:T].view(b, q).gather(1, accepted[:, None])[:, 0]
+        adopt_to = torch.where(real, live, torch.full_like(live, -1))  # padding rows copy nothing
+        dispatch.copy_blocks(state.conv, state.conv, kept, adopt_to)
+        dispatch.copy_blocks(state.recurrent, state.recurrent, kept, adopt_to)
         # entry j of row i pairs h at position start + j - 1 (the stored one for j = 0) with token j
         H = self.hidden.shape[1]
         h_prev = torch.cat([state.mtp_hidden.index_select(0, live)[:, None],
                             self.hidden[:T].view(b, q, H)[:, : q - 1]], dim=1).reshape(T, H)
-        pos = v["commit_pos"][:T]
-        x = mtp.entry_input(h_prev, drafter.embed(v["commit_tokens"][:T]))
-        _, _, k, vals, _ = mtp.project(x, pos, drafter.model.rotary)
-        slots = v["commit_slots"][:T]  # -1: not kept (padding, rejected drafts, position 0)
-        dispatch.ring_write(state.draft_k, slots, pos, k.contiguous())
-        dispatch.ring_write(state.draft_v, slots, pos, vals.contiguous())
-        state.mtp_hidden.index_copy_(0, live, self.hidden.index_select(0, v["hidden_idx"][:b]))
-        self.proposals[:b].copy_(drafter.draft_ring(v["draft_len"][:b], live, v["next_token"][:b], self.spec.k))
+        offsets = torch.arange(q, device=live.device)[None]  # [1, q]
+        start = v["positions"][:T].view(b, q)[:, :1]  # [b, 1] a row's first position (padding: 0)
+        pos = start + offsets  # [b, q]
+        x = mtp.entry_input(h_prev, drafter.embed(v["input_ids"][:T]))
+        _, _, k, vals, _ = mtp.project(x, pos.reshape(T), drafter.model.rotary)
+        # kept entries only: the row's token and its accepted drafts (position 0 has no entry)
+        write = (offsets <= accepted[:, None]) & real[:, None] & (pos >= 1)
+        slots = torch.where(write, live[:, None], torch.full_like(pos, -1)).reshape(T)
+        dispatch.ring_write(state.draft_k, slots, pos.reshape(T), k.contiguous())
+        dispatch.ring_write(state.draft_v, slots, pos.reshape(T), vals.contiguous())
+        last = torch.arange(b, device=live.device) * q + accepted  # each row's last kept token
+        state.mtp_hidden.index_copy_(0, live, self.hidden.index_select(0, last))
+        proposals = drafter.draft_ring(start[:, 0] + accepted + 1, live, self.next_token[:b], self.spec.k)
+        self.result[:b, :q].copy_(self.targets[:T].view(b, q))
+        self.result[:b, q].copy_(accepted)
+        self.result[:b, q + 1 :].copy_(proposals)
 
     # -- arrays ------------------------------------------------------------------------------------
 
@@ -180,6 +209,7 @@ class VerifyGraphs:
         state_slots = np.full(b, self.scratch_slot, dtype=np.int64)
         kv_lens = np.full(b, q, dtype=np.int64)
         table_rows = np.full(b, pages.scratch_row, dtype=np.int64)
+        row_len = np.zeros(b, dtype=np.int64)
         if n:
             q_lens = inputs.q_lens
             starts = inputs.kv_lens - q_lens
@@ -195,37 +225,12 @@ class VerifyGraphs:
             state_slots[:n] = inputs.state_slots
             kv_lens[:n] = starts + q
             table_rows[:n] = inputs.rows
+            row_len[:n] = q_lens
         arrays = {"input_ids": ids, "positions": pos, "slot_mapping": slot_mapping,
                   "logits_indices": np.arange(T, dtype=np.int64), "keep_slots": keep.reshape(-1),
-                  "state_slots": state_slots}
+                  "state_slots": state_slots, "row_len": row_len}
         arrays.update(meta_arrays(np.full(b, q, dtype=np.int64), kv_lens, table_rows, self.block_t, gdn_chunks=False))
         return arrays
-
-    def _post_arrays(self, rows: list[Chunk], accepted: list[tuple[int, int]], b: int) -> dict[str, np.ndarray]:
-        """The post arena's arrays: accepted[i] = (drafts kept, token emitted last) of rows[i]."""
-        q, n = self.q, len(rows)
-        s = self.scratch_slot
-        live = np.full(b, s, dtype=np.int64)
-        src = np.full(b, s, dtype=np.int64)
-        hidden_idx = np.zeros(b, dtype=np.int64)
-        draft_len = np.ones(b, dtype=np.int64)
-        next_token = np.zeros(b, dtype=np.int64)
-        tokens = np.zeros((b, q), dtype=np.int64)
-        pos = np.ones((b, q), dtype=np.int64)
-        slots = np.full((b, q), -1, dtype=np.int64)
-        for i, (c, (a, token)) in enumerate(zip(rows, accepted)):
-            live[i] = self.runner.state_slots[c.slot]
-            src[i] = self.spec.keep_slot(c.slot, a)
-            hidden_idx[i] = i * q + a
-            draft_len[i] = c.start_pos + a + 1
-            next_token[i] = token
-            tokens[i, : a + 1] = c.token_ids[: a + 1]
-            pos[i] = c.start_pos + np.arange(q)
-            slots[i, : a + 1] = live[i]
-        slots[pos < 1] = -1  # position 0 has no entry
-        return {"live": live, "adopt_src": src, "hidden_idx": hidden_idx, "draft_len": draft_len,
-                "next_token": next_token, "commit_tokens": tokens.reshape(-1), "commit_pos": pos.reshape(-1),
-                "commit_slots": slots.reshape(-1)}
 
     def _static_batch(self, b: int, views: dict[str, torch.Tensor]) -> ForwardBatch:
         T = b * self.q
@@ -246,8 +251,9 @@ class VerifyGraphs:
         """Verify `rows` (from `take`) and draft after them.
 
         Returns (slot -> the drafter's K proposals, for ring windows) and (slot -> (outputs,
-        committed tokens, hidden states of the committed positions)): with ring windows every row
-        is drafted already; with a paged draft layer the second dict goes to the eager drafter.
+        committed tokens, hidden states of the committed positions or None)): with ring windows
+        every row is drafted already; with a paged draft layer the second dict goes to the eager
+        drafter.
         """
         r, q, n = self.runner, self.q, len(rows)
         b = self.bucket(n)
@@ -264,26 +270,48 @@ class VerifyGraphs:
         if fits:
             r.pages.apply(views["table_idx"][: len(idx)], views["table_val"][: len(vals)])
         forward, drafting = self.graphs[b]
-        if forward is None:
-            self._forward(b, self.batches[b])
-        else:
-            forward.replay()
-        greedy = self.targets[: n * q].view(n, q).tolist()  # one copy, and the step's wait
-        outcomes, accepted = {}, []
+        self._replay(forward, lambda: self._forward(b, self.batches[b]))
+        if self.ring and all(self._plain_greedy(c) for c in rows):
+            self._replay(drafting, lambda: self._post(b))
+            return self._greedy_outcomes(rows, self.result[:n].tolist())
+        self.host_rows += n
+        targets = self.targets[: n * q].view(n, q).tolist()  # one copy, and the step's wait
+        outcomes, accepted, tokens = {}, [], []
         for i, c in enumerate(rows):
             m = len(c.token_ids)
-            v = verify(self.logits[i * q : i * q + m], c.token_ids[1:], self.spec.row(c), targets=greedy[i][:m])
+            v = verify(self.logits[i * q : i * q + m], c.token_ids[1:], self.spec.row(c), targets=targets[i][:m])
             outcomes[c.slot] = (v.outputs, c.token_ids[: v.accepted + 1],
                                 self.hidden[i * q : i * q + v.accepted + 1])
-            accepted.append((v.accepted, v.outputs[-1].token_id))
+            accepted.append(v.accepted)
+            tokens.append(v.outputs[-1].token_id)
         if not self.ring:
             self.spec.adopt_many([r.state_slots[c.slot] for c in rows],
-                                 [self.spec.keep_slot(c.slot, a) for c, (a, _) in zip(rows, accepted)])
+                                 [self.spec.keep_slot(c.slot, a) for c, a in zip(rows, accepted)])
             return {}, outcomes
-        post = self.post_arena.pack(self._post_arrays(rows, accepted, b), self.post_layout)
-        if drafting is None:
-            self._post(b, post)
-        else:
-            drafting.replay()
-        proposals = self.proposals[:n].tolist()
+        verdict = torch.tensor([accepted, tokens], dtype=torch.long).to(self.accepted.device)
+        self.accepted[:n].copy_(verdict[0])
+        self.next_token[:n].copy_(verdict[1])
+        self._replay(drafting, lambda: self._post(b))
+        proposals = self.result[:n, q + 1 :].tolist()
         return {c.slot: p for c, p in zip(rows, proposals)}, outcomes
+
+    def _replay(self, graph: torch.cuda.CUDAGraph | None, eager) -> None:
+        if graph is None:
+            eager()
+        else:
+            graph.replay()
+
+    def _plain_greedy(self, c: Chunk) -> bool:
+        """Greedy without logprobs: the device's verdict is the whole answer."""
+        params = self.runner.sampling[c.slot]
+        return params.temperature < GREEDY_BELOW and params.logprobs is None
+
+    def _greedy_outcomes(self, rows: list[Chunk], result: list[list[int]]) -> tuple[dict, dict]:
+        """(proposals, outcomes) of a greedy step from its result rows [argmaxes (q), accepted, proposals (K)]:
+        the accepted drafts equal the argmaxes before them, so the emitted tokens are argmaxes 0 .. a."""
+        q, drafted, outcomes = self.q, {}, {}
+        for c, row in zip(rows, result):
+            a = row[q]
+            outcomes[c.slot] = ([SampleOutput(t, None, None) for t in row[: a + 1]], c.token_ids[: a + 1], None)
+            drafted[c.slot] = row[q + 1 :]
+        return drafted, outcomes

@@ -226,6 +226,20 @@ def test_second_requests_hit_the_cached_prefix_and_keep_drafting(model, window, 
         torch.testing.assert_close(k, cold_states[L][1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [16, 0], ids=["ring16", "paged"])
+def test_sampled_and_logprob_rows_take_the_host_verdict_in_the_graphs(model, window):
+    """Seeded rows at temperature 0.8 and a greedy row with logprobs are verified on the host even when
+    their step replays the verify graphs: their tokens equal the eager speculative run's."""
+    sampled = _requests([5, 40], max_tokens=16, temperature=0.8, seed=11)
+    greedy = _requests([30], max_tokens=16, logprobs=2)[0]
+    requests = [*sampled, GenerateRequest(3, greedy.prompt_ids, greedy.sampling)]
+    eager = Engine(model, 2, window)
+    graphs = Engine(model, 2, window, graphs=True)
+    expected, got = eager.run(requests), graphs.run(requests)
+    assert got == expected and all(len(t) == 16 for t in got.values())
+    assert graphs.spec.graphs.host_rows == graphs.spec.graphs.rows_run > 10
+
+
 def test_sampling_with_speculation_keeps_the_distribution(model):
     """Temperature 0.8 (top_k 8, so the chi-square has few bins) on a fixed context: the first token a
     verify step emits, over 3,000 seeds, is distributed like a plain sample of that position
