@@ -365,6 +365,8 @@ class Scheduler(Publishing, Speculating):
         self._ops.extend(grant.ops)
         if loaded:
             self._ops.extend(self._load_ops(seq, load_pages))
+            if self.limits.hybrid:  # the loaded prefix becomes a device prefix, its checkpoint kept on the device
+                self._ops.extend(self.coord.publish(seq.req_id, seq.all_ids(), start, checkpoint=True).ops)
         if seq.tier is not None:  # loaded or not, the run is not needed after this plan
             self.tiers.release(seq.tier.lookup_id, after_plan=True)
             seq.tier = None

@@ -105,8 +105,15 @@ def test_1_a_prefix_pushed_off_the_device_comes_back_from_the_cpu_tier(
         result = _complete(server.url, _body(PROMPT_A30, OUT_TOKENS))
         report = _settled_inspect(server.name, lambda r: r["tiers"]["cpu"]["stores"] >= 7 * 37)
         metrics = _metrics(server.url)
+        # the prefix the CPU tier served stays on the device, its checkpoint with it: a prompt sharing just
+        # that prefix hits the device there, with nothing loaded again
+        served = sum(_tier_tokens(result))
+        branch = PROMPT_A30[:served] + _prompts(52, [20])[0]
+        again = _complete(server.url, _body(branch, OUT_TOKENS))
     finally:
         _stop(server, pids)
+    assert _tier_tokens(again) == (served, 0, 0), again["usage"]
+    assert_greedy_parity(hybrid_reference, branch, again["choices"][0]["token_ids"])
     gpu, cpu, disk = _tier_tokens(result)
     assert cpu + disk >= 512, result["usage"]
     assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == gpu + cpu + disk

@@ -454,3 +454,43 @@ def test_in_chunk_checkpoints_are_copied_out_to_the_cpu_tier_as_they_publish():
     # one offload per kept checkpoint at a tier interval multiple and at the prompt's last page
     # boundary, each covering the pages up to it, with its state
     assert [(len(m.keys) * 16, m.state) for m in reserves] == [(128, True), (256, True), (288, True)]
+
+
+def test_a_cpu_tier_hit_becomes_a_device_prefix_with_its_checkpoint():
+    """A hybrid prompt served from the CPU tier loads its pages and state, then keeps them on the device:
+    the loaded prefix is published with a checkpoint at its end (saved from the live slot right after the
+    load, before the forward moves it on), so the next prompt sharing it hits the device, with no load."""
+    from hkv.cache.types import LoadPages, LoadState, RestoreCheckpoint, SaveCheckpoint
+    from hkv.engine.tier_client import TierClient
+    from hkv.ipc.messages import TierFound, TierLookup
+
+    sched = make(num_pages=64, page_size=16, budget=512, max_context=1024, prefix_cache=True, hybrid=True,
+                 interval=64, state_slots=16, max_pages=64)
+    sched.tiers = TierClient(sched.coord, bytes(16), 16, True, 64, 16)
+    prompt = list(range(1, 201))
+    sched.add(GenerateRequest(1, prompt, SamplingParams(max_tokens=1)))
+    (lookup,) = sched.tiers.take_outbox()
+    assert isinstance(lookup, TierLookup) and lookup.first == 0
+    sched.on_tier_found(TierFound(lookup.lookup_id, 0, list(range(20, 28)), [False] * 8, 5))  # pages 0..7
+    plan = sched.schedule()
+    (chunk,) = plan.chunks
+    assert chunk.start_pos == 128
+    live = sched.running[1].state_slot
+    load_pages, load_state, save = plan.ops
+    assert isinstance(load_pages, LoadPages) and load_pages.src_entries == list(range(20, 28))
+    assert isinstance(load_state, LoadState) and (load_state.src_entry, load_state.dst_slot) == (5, live)
+    assert isinstance(save, SaveCheckpoint) and (save.src_slot, save.length) == (live, 128)
+    assert checkpoint_slots(sched)[128] == save.dst_slot
+    sched.coord.check_integrity()
+    sched.on_result(StepResult(plan.step, [Sampled(chunk.slot, 7, None, None)], 0.0), plan)
+    run_to_end(sched)
+
+    sched.add(GenerateRequest(2, prompt[:150] + [900, 901], SamplingParams(max_tokens=1)))
+    for message in sched.tiers.take_outbox():  # its lookup, past the device hit, finds nothing
+        if isinstance(message, TierLookup):
+            sched.on_tier_found(TierFound(message.lookup_id, message.first, [], [], None))
+    plan = sched.schedule()
+    (chunk,) = plan.chunks
+    assert chunk.start_pos == 128  # a device hit at the promoted checkpoint
+    assert not any(isinstance(op, (LoadPages, LoadState)) for op in plan.ops)
+    assert any(isinstance(op, RestoreCheckpoint) and op.length == 128 for op in plan.ops)
