@@ -19,6 +19,7 @@ from typing import Any
 
 from hkv.ipc import json_block, request_table, stats
 from hkv.ipc.shm import (
+    LayoutMismatch,
     Registry,
     RegionMissing,
     SegmentInfo,
@@ -47,6 +48,7 @@ def inspect_instance(name: str) -> dict[str, Any]:
     with registry:
         entries = {entry.region: entry for entry in registry.entries()}
     report: dict[str, Any] = {"instance": name, "regions": [asdict(e) for e in entries.values()]}
+    _check_versions(name, entries)
     if stats.REGION in entries:
         report.update(_read_stats(name))
     if stats.RADIX_REGION in entries and "radix" in report:
@@ -56,6 +58,24 @@ def inspect_instance(name: str) -> dict[str, Any]:
     if request_table.REGION in entries:
         report["requests"] = _read_requests(name)
     return report
+
+
+def _spoken_versions() -> dict[str, int]:
+    """The layout version of every region this hkv-inspect decodes (the registry records the writer's)."""
+    from hkv.ipc.tier_regions import TIER_STATS_REGION, VERSION as TIER_VERSION
+
+    return {stats.REGION: stats.VERSION, stats.RADIX_REGION: 1, request_table.REGION: request_table.VERSION,
+            TIER_STATS_REGION: TIER_VERSION}
+
+
+def _check_versions(name: str, entries: dict) -> None:
+    """LayoutMismatch when the instance was written by an hkv whose layout this one does not read: a
+    float block read with another field list would report plausible, wrong numbers."""
+    for region, version in _spoken_versions().items():
+        entry = entries.get(region)
+        if entry is not None and entry.version != version:
+            raise LayoutMismatch(f"instance {name!r}: region {region!r} has layout version {entry.version}, this "
+                                 f"hkv-inspect reads version {version}; use the hkv-inspect of the hkv serving it")
 
 
 def _read_stats(name: str) -> dict[str, Any]:

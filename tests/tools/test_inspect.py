@@ -69,6 +69,20 @@ def test_name_reads_the_registry(instance, capsys):
         assert proc.returncode == 0 and "req_table" in proc.stdout
 
 
+def test_a_stats_block_of_another_layout_version_exits_1_with_one_line(instance):
+    """Its float fields would read as plausible, wrong numbers: refused, naming both versions."""
+    from hkv.ipc import stats
+    from hkv.ipc.shm import LayoutMismatch
+
+    with Registry.create(instance, capacity=4) as registry:
+        registry.add(stats.REGION, "router", stats.VERSION + 1, {"fields": ["steps"]})
+        with pytest.raises(LayoutMismatch, match=f"version {stats.VERSION + 1}.*reads version {stats.VERSION}"):
+            inspect_instance(instance)
+        proc = inspect_cli("--name", instance, "--json")
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert len(proc.stderr.strip().splitlines()) == 1 and stats.REGION in proc.stderr
+
+
 def test_unknown_instance_exits_1_with_one_line(instance):
     with pytest.raises(InstanceNotFound):
         inspect_instance(instance)
