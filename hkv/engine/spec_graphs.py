@@ -65,7 +65,7 @@ class VerifyGraphs:
         group, head_dim = runner.attn_dims
         self.tile = attention_tile(self.q, group, head_dim, kv.k.dtype)
         self.block_t = max(1, self.tile[0] // group)
-        if self.block_t < self.q:  # one attention block per row keeps the grid the graph captured
+        if self.block_t < self.q:  # rows of several attention blocks never ran in a graph on a GPU: such K stay eager
             raise ValueError(f"an attention block of {self.block_t} tokens is shorter than a verify row of {self.q}")
         self.capacity: int = pages.max_pages * runner.page_size  # positions a page-table row covers
         T, B = self.max_bs * self.q, self.max_bs
@@ -94,8 +94,6 @@ class VerifyGraphs:
         self.rows_run: int = 0  # verify rows replayed so far (tests, logs)
         self.host_rows: int = 0  # ... of which the host verified (sampling or logprobs in their step)
 
-    # -- which rows --------------------------------------------------------------------------------
-
     def take(self, chunks: list[Chunk]) -> list[Chunk]:
         """The chunks this step replays (verify or decode rows that fit); the rest run eagerly."""
         if not self.graphs:
@@ -106,8 +104,6 @@ class VerifyGraphs:
 
     def bucket(self, n: int) -> int:
         return next(b for b in sorted(self.graphs) if b >= n)
-
-    # -- capture -----------------------------------------------------------------------------------
 
     def capture_all(self) -> float:
         """Capture every bucket, largest first (its pool serves the smaller ones); returns seconds."""
@@ -141,8 +137,6 @@ class VerifyGraphs:
                 with torch.cuda.graph(drafting, pool=self.pool):
                     self._post(b)
         self.graphs[b] = (forward, drafting)
-
-    # -- the captured work -------------------------------------------------------------------------
 
     def _forward(self, b: int, batch: ForwardBatch) -> None:
         q, T = self.q, b * self.q
@@ -195,8 +189,6 @@ class VerifyGraphs:
         self.result[:b, q].copy_(accepted)
         self.result[:b, q + 1 :].copy_(proposals)
 
-    # -- arrays ------------------------------------------------------------------------------------
-
     def _forward_arrays(self, rows: list[Chunk], inputs: StepInputs | None, b: int) -> dict[str, np.ndarray]:
         """The forward arena's arrays of `rows` padded to bucket b (rows empty: all padding)."""
         r, q, n = self.runner, self.q, len(rows)
@@ -244,8 +236,6 @@ class VerifyGraphs:
                                                        self.block_t),
             state_slots=sliced["state_slots"], keep_slots=views["keep_slots"][:T].view(b, self.q),
         )
-
-    # -- a step ------------------------------------------------------------------------------------
 
     def run(self, rows: list[Chunk]) -> tuple[dict[int, list[int]], dict[int, tuple]]:
         """Verify `rows` (from `take`) and draft after them.
