@@ -262,10 +262,11 @@ def _scheduling_flags(p: argparse.ArgumentParser) -> None:
                    help="positions of draft-layer K/V kept per request: 0 = full length, paged like the target; "
                         "W > 0 = a ring of the last W, at least --spec-tokens + 1 (default: 0)")
     g.add_argument("--no-cuda-graph", action="store_true",
-                   help="run decode steps eagerly on CUDA instead of replaying captured graphs (default: graphs on)")
+                   help="run decode (and speculative verify) steps eagerly on CUDA instead of replaying captured "
+                        "graphs (default: graphs on)")
     g.add_argument("--cuda-graph-max-bs", type=_positive_int, default=None,
-                   help="largest decode batch captured in a CUDA graph; larger ones run eagerly "
-                        "(default: --max-running-requests)")
+                   help="largest decode batch captured in a CUDA graph (with --spec-tokens K: verify batch, at "
+                        "most 512 / (K + 1)); larger ones run eagerly (default: --max-running-requests)")
     g.add_argument("--gpu-memory-fraction", type=_fraction, default=None,
                    help="share of the GPU's memory for weights, activations, graphs and cache pools; "
                         "sizes the KV pool when --max-total-tokens is not given (default: 0.9)")
