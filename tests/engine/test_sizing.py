@@ -40,3 +40,25 @@ def test_the_warm_up_runs_mixed_and_single_prompt_steps_and_leaves_the_scratch_s
     assert warm_up(model, cfg, state) > 0
     assert not state.recurrent[:, 3].any() and not state.conv[:, 3].any()  # the scratch slot, zeroed
     assert bool((state.recurrent[:, :3] == 1.0).all())  # no other slot touched
+
+
+def test_the_graph_reserve_covers_the_largest_verify_bucket():
+    """With --spec-tokens K the largest bucket's logits are its verify tokens: b (K + 1) rows, b capped
+    so that they stay within MAX_VERIFY_TOKENS (the VerifyGraphs cap)."""
+    import dataclasses
+    import shutil
+
+    from hkv.config import parse_cli
+    from hkv.engine.sizing import graph_logit_rows
+    from hkv.engine.spec_graphs import MAX_VERIFY_TOKENS
+
+    cfg = parse_cli(["--device", "cpu", "--model", "tiny-hybrid", "--max-running-requests", "256"])
+    shutil.rmtree(cfg.run_dir)
+
+    def rows(max_bs: int, k: int) -> int:
+        model = dataclasses.replace(cfg.model, cuda_graph_max_bs=max_bs)
+        return graph_logit_rows(dataclasses.replace(cfg, model=model, spec=dataclasses.replace(cfg.spec, spec_tokens=k)))
+
+    assert rows(256, 0) == 256  # decode: one row a sequence
+    assert rows(16, 3) == 64 and rows(256, 3) == MAX_VERIFY_TOKENS == 128 * 4
+    assert rows(256, 2) == 170 * 3 and rows(1, 8) == 9

@@ -240,6 +240,26 @@ def test_sampled_and_logprob_rows_take_the_host_verdict_in_the_graphs(model, win
     assert graphs.spec.graphs.host_rows == graphs.spec.graphs.rows_run > 10
 
 
+def test_the_graphs_take_verify_and_decode_rows_only(model):
+    """Prefill chunks, chunks with in-chunk checkpoints, rows whose K + 1 places would pass the page-table
+    row's end and rows past the largest bucket run eagerly."""
+    from hkv.ipc.messages import Chunk
+
+    graphs = Engine(model, 3, 16, graphs=True).spec.graphs
+    end = graphs.capacity
+    verify, decode = Chunk(0, [5, 6, 7, 8], 40, True, drafts=3), Chunk(1, [9], 41, True)
+    short = Chunk(2, [5, 6], 47, True, drafts=1)  # capped at a page boundary
+    assert graphs.take([verify, decode, short]) == [verify, decode, short]
+    prefill = Chunk(3, [1, 2, 3], 0, True)
+    middle = Chunk(3, [1] * 64, 64, False)
+    ckpt = Chunk(3, [1] * 128, 0, True, [[64, 9]])
+    near_end = Chunk(2, [5, 6], end - 3, True, drafts=1)
+    at_end = Chunk(1, [9], end - 4, True)
+    assert graphs.take([prefill, middle, ckpt, near_end, at_end, verify]) == [at_end, verify]
+    many = [Chunk(r, [9], 41, True) for r in range(graphs.max_bs + 1)]
+    assert graphs.take(many) == many[: graphs.max_bs]
+
+
 def test_sampling_with_speculation_keeps_the_distribution(model):
     """Temperature 0.8 (top_k 8, so the chi-square has few bins) on a fixed context: the first token a
     verify step emits, over 3,000 seeds, is distributed like a plain sample of that position
