@@ -90,10 +90,7 @@ def pages_from_memory(cfg: HkvConfig, model, state) -> int:
     if cfg.model.cuda_graph_max_bs:  # the largest bucket's static logits: decode rows, or verify tokens
         graphs = graph_logit_rows(cfg) * model.cfg.vocab_size * 4 + GRAPH_HEADROOM
     room = int(cfg.cache.gpu_memory_fraction * total) - resident - activations - graphs
-    layout = model.kv_layout(1, cfg.cache.page_size, cfg.model.dtype, "meta")
-    page_bytes = layout.bytes_per_page()
-    if cfg.spec.spec_tokens and not cfg.spec.draft_window:  # the paged draft layer: one more layer a page
-        page_bytes = page_bytes * (layout.num_layers + 1) // layout.num_layers
+    page_bytes = kv_page_layout(cfg, model).bytes_per_page()
     pages = max(2, room // page_bytes)
     gib = 2**30
     log.info("KV pool sized from %.2f of %.1f GiB: weights and state slots %.1f GiB, activations %.1f GiB, "
@@ -104,15 +101,25 @@ def pages_from_memory(cfg: HkvConfig, model, state) -> int:
     return pages
 
 
+def kv_page_layout(cfg: HkvConfig, model):
+    """The KV pool's layout for one page, as the rank builds it: with --spec-tokens and --draft-window 0
+    the paged draft layer is one more storage layer (hkv.engine.spec.with_paged_draft)."""
+    from hkv.engine.spec import draft_spec, with_paged_draft
+
+    layout = model.kv_layout(1, cfg.cache.page_size, cfg.model.dtype, "meta")
+    draft = draft_spec(model, cfg.spec.draft_window) if cfg.spec.spec_tokens else None
+    return with_paged_draft(model, layout, draft)[0]
+
+
 def graph_logit_rows(cfg: HkvConfig) -> int:
     """Rows of the largest captured bucket's logits buffer: its decode batch, or with --spec-tokens K
-    its verify tokens (hkv.engine.spec_graphs: at most MAX_VERIFY_TOKENS)."""
-    from hkv.engine.spec_graphs import MAX_VERIFY_TOKENS
+    its verify tokens (hkv.engine.spec_graphs.verify_max_bs buckets of K + 1 tokens a row)."""
+    from hkv.engine.spec_graphs import verify_max_bs
 
     k = cfg.spec.spec_tokens
     if not k:
         return cfg.model.cuda_graph_max_bs
-    return max(1, min(cfg.model.cuda_graph_max_bs, MAX_VERIFY_TOKENS // (k + 1))) * (k + 1)
+    return verify_max_bs(cfg.model.cuda_graph_max_bs, k) * (k + 1)
 
 
 WARM_UP_LENS = (129, 64, 1)  # two prompts (the first ends in a partial GDN chunk) and a decode row

@@ -48,6 +48,11 @@ from hkv_kernels.meta import StepArena, attention_tile, kernel_meta, meta_arrays
 log = logging.getLogger("hkv.rank")
 MAX_VERIFY_TOKENS = 512  # b * (K + 1) of the largest bucket: its logits buffer is that many vocab rows
 
+
+def verify_max_bs(graph_max_bs: int, spec_tokens: int) -> int:
+    """The largest verify bucket for --cuda-graph-max-bs and K: its b (K + 1) tokens within MAX_VERIFY_TOKENS."""
+    return max(1, min(graph_max_bs, MAX_VERIFY_TOKENS // (spec_tokens + 1)))
+
 _SEQ_FIELDS = ("state_slots", "q_start", "q_len", "kv_len", "table_rows", "attn_block_seq", "attn_block_tok",
                "conv_block_seq", "conv_block_tok")
 
@@ -58,7 +63,7 @@ class VerifyGraphs:
     def __init__(self, runner, spec, max_bs: int, scratch_slot: int) -> None:
         self.runner, self.spec = runner, spec
         self.q: int = spec.k + 1
-        self.max_bs: int = max(1, min(max_bs, MAX_VERIFY_TOKENS // self.q))
+        self.max_bs: int = verify_max_bs(max_bs, spec.k)
         self.scratch_slot = scratch_slot
         self.ring: bool = bool(spec.drafter.store.spec.window)  # the drafter runs in the graph (W > 0)
         kv, pages = runner.kv, runner.pages
