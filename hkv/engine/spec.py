@@ -26,7 +26,9 @@ ahead of its result).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -67,9 +69,6 @@ class OracleProposer:
         self.rows: dict[int, list[int]] = {}
 
     def _refresh(self) -> None:
-        import json
-        import os
-
         try:
             st = os.stat(self.path)
         except OSError:
@@ -132,7 +131,7 @@ class SpecDecoder:
         out: dict[int, tuple[list, list[int], torch.Tensor]] = {}  # slot -> (emitted, committed tokens, hidden)
         if graphed:
             drafted, out = self.graphs.run(graphed)
-        eager = [c for c in chunks if c.slot not in drafted and c.slot not in out]
+        eager = [c for c in chunks if c.slot not in out]  # out holds every graph row (drafted or not)
         plain = [c for c in eager if c.drafts == 0]
         checking = [c for c in eager if c.drafts > 0]
         if plain:
