@@ -29,6 +29,13 @@ from hkv.ipc.shm import (
     sweep_orphans,
     validate_instance,
 )
+from hkv.ipc.tier_regions import TIER_STATS_REGION
+from hkv.ipc.tier_regions import VERSION as TIER_VERSION
+
+
+# the layout version of every region this hkv-inspect decodes (the registry records the writer's)
+SPOKEN_VERSIONS = {stats.REGION: stats.VERSION, stats.RADIX_REGION: 1, request_table.REGION: request_table.VERSION,
+                   TIER_STATS_REGION: TIER_VERSION}
 
 
 class InstanceNotFound(Exception):
@@ -60,18 +67,10 @@ def inspect_instance(name: str) -> dict[str, Any]:
     return report
 
 
-def _spoken_versions() -> dict[str, int]:
-    """The layout version of every region this hkv-inspect decodes (the registry records the writer's)."""
-    from hkv.ipc.tier_regions import TIER_STATS_REGION, VERSION as TIER_VERSION
-
-    return {stats.REGION: stats.VERSION, stats.RADIX_REGION: 1, request_table.REGION: request_table.VERSION,
-            TIER_STATS_REGION: TIER_VERSION}
-
-
 def _check_versions(name: str, entries: dict) -> None:
     """LayoutMismatch when the instance was written by an hkv whose layout this one does not read: a
     float block read with another field list would report plausible, wrong numbers."""
-    for region, version in _spoken_versions().items():
+    for region, version in SPOKEN_VERSIONS.items():
         entry = entries.get(region)
         if entry is not None and entry.version != version:
             raise LayoutMismatch(f"instance {name!r}: region {region!r} has layout version {entry.version}, this "
@@ -112,8 +111,6 @@ def _read_stats(name: str) -> dict[str, Any]:
 
 def _read_tiers(name: str, report: dict[str, Any]) -> None:
     """Fill in the CPU and disk tiers from the cache worker's stats block."""
-    from hkv.ipc.tier_regions import TIER_STATS_REGION
-
     with ShmRegion.attach(name, TIER_STATS_REGION, readonly=True) as region:
         doc = json_block.read(region.payload)
     if not isinstance(doc, dict) or not isinstance(doc.get("cpu"), dict):
