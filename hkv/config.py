@@ -19,12 +19,10 @@ from pathlib import Path
 
 import msgspec
 
-from hkv.argtypes import fraction as _fraction
-from hkv.argtypes import non_negative_float as _non_negative_float
+from hkv.argtypes import fraction as _fraction, non_negative_float as _non_negative_float
 from hkv.argtypes import non_negative_int as _non_negative_int
+from hkv.argtypes import positive_float as _positive_float, positive_int as _positive_int
 from hkv.engine.validate import MAX_SPEC_TOKENS
-from hkv.argtypes import positive_float as _positive_float
-from hkv.argtypes import positive_int as _positive_int
 from hkv.ipc.rundir import create_run_dir
 from hkv.keys import KeyHash  # noqa: F401  (re-exported: the api and tests take it from here)
 from hkv_kernels.gdn import GDN_CHUNK
@@ -199,7 +197,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 PENDING = "Not implemented yet: giving it exits 2."
-ORACLE_ENV = "HKV_SPEC_ORACLE"  # benchmarks only: the rank proposes known continuations (hkv.engine.spec)
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -596,7 +593,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             chunked_prefill_size=args.chunked_prefill_size or (512 if on_cpu else 8192),
             max_queued_requests=4096,
         ),
-        spec=SpecConfig(args.spec_tokens, args.draft_window or 0, os.environ.get(ORACLE_ENV) or None),
+        spec=SpecConfig(args.spec_tokens, args.draft_window or 0, os.environ.get("HKV_SPEC_ORACLE") or None),
         server=server,
         run_dir=run_dir,
         builtin_cache_dir=cache_dir,
