@@ -25,6 +25,7 @@ from hkv.argtypes import positive_float as _positive_float, positive_int as _pos
 from hkv.engine.validate import MAX_SPEC_TOKENS
 from hkv.ipc.rundir import create_run_dir
 from hkv.keys import KeyHash  # noqa: F401  (re-exported: the api and tests take it from here)
+from hkv.pd_flags import check_pd, pd_flags, security_flags
 from hkv_kernels.gdn import GDN_CHUNK
 
 # tiny-hybrid: trained, shipped in the package; the others: random weights for tests (hkv/models/tiny.py)
@@ -154,6 +155,9 @@ class ServerConfig:
     stall_timeout_s: float = 10.0  # /ready is 503 when work is pending and no step finished for this long
     admin_key: KeyHash | None = None  # POST /cache/flush and later admin routes; None: the api key
     metrics_key: KeyHash | None = None  # GET /metrics; None: open
+    pd_port: int = 0  # prefill/decode: the transporter's TCP port on `host` (0: a free one)
+    pd_timeout_s: float = 30.0  # prefill/decode: a transfer not done by then rolls back at both ends
+    pd_stall_pull_s: float = 0.0  # tests: $HKV_PD_STALL_PULL_S, the transporter waits this long before a pull
 
 
 @dataclass(frozen=True)
@@ -287,36 +291,10 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                    help="log level of every actor; debug also checks the cache books after every step (default: info)")
 
 
-def _pd_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("prefill/decode disaggregation")
-    g.add_argument("--mode", choices=("normal", "prefill", "decode", "pd-master"), default="normal",
-                   help=f"instance role (default: normal). Other values: {PENDING.lower()}")
-    g.add_argument("--prefill-url", action="append", default=[],
-                   help=f"pd-master: a prefill instance's URL, repeatable (default: none). {PENDING}")
-    g.add_argument("--decode-url", action="append", default=[],
-                   help=f"pd-master: a decode instance's URL, repeatable (default: none). {PENDING}")
-
-
-def _security_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("security")
-    g.add_argument("--api-key", default=None,
-                   help="bearer key /v1/* requests must carry; visible in ps, prefer --api-key-file "
-                        "(default: $HKV_API_KEY, else none)")
-    g.add_argument("--api-key-file", default=None,
-                   help="read the api key from this file, one line (default: none)")
-    g.add_argument("--admin-key", default=None,
-                   help="bearer key of POST /cache/flush and other admin routes (default: $HKV_ADMIN_KEY, "
-                        "else the api key)")
-    g.add_argument("--metrics-key", default=None,
-                   help="bearer key of GET /metrics (default: $HKV_METRICS_KEY, else /metrics is open)")
-    g.add_argument("--secret-file", default=None,
-                   help=f"file holding the HMAC secret of cross-host control messages (default: none). {PENDING}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hkv-launch", description="Serve a language model with hkv (OpenAI-compatible HTTP).")
-    for group in (_model_flags, _cache_flags, _tier_flags, _scheduling_flags, _server_flags, _pd_flags,
-                  _security_flags):
+    for group in (_model_flags, _cache_flags, _tier_flags, _scheduling_flags, _server_flags, pd_flags,
+                  security_flags):
         group(p)
     return p
 
@@ -325,10 +303,6 @@ def _not_built_yet(args: argparse.Namespace) -> list[str]:
     """Flags whose features have not landed: refusing them beats silently ignoring them."""
     given = {
         "--tp": args.tp != 1,
-        "--mode": args.mode != "normal",
-        "--prefill-url": bool(args.prefill_url),
-        "--decode-url": bool(args.decode_url),
-        "--secret-file": args.secret_file is not None,
     }
     return [flag for flag, set_ in given.items() if set_]
 
@@ -345,6 +319,7 @@ def _check_combinations(args: argparse.Namespace) -> None:
     if args.name is not None and not _valid_name(args.name):
         raise ConfigError("--name may hold only letters, digits, '_' and '.', at most 32 characters")
     _check_tiers(args)
+    check_pd(args, ConfigError)
     if args.model not in BUILTIN_MODELS and not Path(args.model, "config.json").is_file():
         raise ConfigError(f"--model {args.model}: not a built-in model and no config.json in that folder")
 
@@ -551,7 +526,7 @@ def _server_config(args: argparse.Namespace, name: str) -> ServerConfig:
         mode=args.mode,
         prefill_urls=tuple(args.prefill_url),
         decode_urls=tuple(args.decode_url),
-        secret_file=args.secret_file,
+        secret_file=str(Path(args.secret_file).resolve()) if args.secret_file else None,
         api_key=_api_key(args),
         log_level=args.log_level,
         max_body_bytes=8 * 1024 * 1024,
@@ -561,6 +536,9 @@ def _server_config(args: argparse.Namespace, name: str) -> ServerConfig:
         stall_timeout_s=args.stall_timeout,
         admin_key=_key("--admin-key", args.admin_key, "HKV_ADMIN_KEY"),
         metrics_key=_key("--metrics-key", args.metrics_key, "HKV_METRICS_KEY"),
+        pd_port=args.pd_port,
+        pd_timeout_s=args.pd_timeout,
+        pd_stall_pull_s=float(os.environ.get("HKV_PD_STALL_PULL_S") or 0.0),  # fault injection (tests/e2e/test_pd.py)
     )
 
 

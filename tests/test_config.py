@@ -36,13 +36,13 @@ def test_help_groups_the_flags():
     for group in ("model:", "cache:", "tiers:", "scheduling:", "server:", "prefill/decode disaggregation:",
                   "security:"):
         assert group in text
-    pending = {"--tp", "--mode", "--prefill-url", "--decode-url", "--secret-file"}
+    pending = {"--tp"}
     for action in _flags():
         said = "not implemented yet" in action.help.lower()
         assert said == (action.option_strings[0] in pending), action.option_strings[0]
 
 
-@pytest.mark.parametrize("argv", [["--tp", "2"], ["--mode", "decode"]])
+@pytest.mark.parametrize("argv", [["--tp", "2"]])
 def test_flags_not_built_yet_are_refused(argv):
     with pytest.raises(ConfigError, match=f"not implemented yet: {argv[0]}"):
         parse_cli(["--device", "cpu", *argv])
@@ -191,3 +191,45 @@ def test_cuda_state_slots_are_left_to_the_rank_unless_given():
     assert resolve(False, state_slots=100) == (256, 100)
     with pytest.raises(ConfigError, match="must exceed"):
         resolve(False, state_slots=64)
+
+
+def _secret(tmp_path, mode=0o600, size=32):
+    path = tmp_path / "pd.secret"
+    path.write_bytes(b"s" * size)
+    path.chmod(mode)
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "decode", "--cpu-cache-gb", "0.01"], "--mode decode needs --secret-file"),
+    (["--mode", "prefill", "SECRET"], "stages transfers in the CPU tier"),
+    (["--mode", "decode", "--cpu-cache-gb", "0.01", "--no-prefix-cache", "SECRET"], "--cpu-cache-gb needs the prefix"),
+    (["--mode", "pd-master", "--prefill-url", "http://127.0.0.1:1", "SECRET"], "at least one --prefill-url and one"),
+    (["--prefill-url", "http://127.0.0.1:1"], "pd-master flags"),
+    (["--mode", "pd-master", "--prefill-url", "ftp://x", "--decode-url", "http://127.0.0.1:2", "SECRET"],
+     "want http://host:port"),
+    (["--mode", "prefill", "--cpu-cache-gb", "0.01", "--pd-port", "70000", "SECRET"], "--pd-port must be in"),
+])
+def test_pd_flag_combinations_exit_with_one_line(tmp_path, argv, message):
+    argv = [a if a != "SECRET" else f"--secret-file={_secret(tmp_path)}" for a in argv]
+    with pytest.raises(ConfigError, match=message):
+        parse_cli(["--device", "cpu", *argv])
+
+
+def test_a_secret_file_open_to_others_or_short_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="chmod 600"):
+        parse_cli(["--device", "cpu", "--secret-file", _secret(tmp_path, mode=0o644)])
+    with pytest.raises(ConfigError, match="at least 32"):
+        parse_cli(["--device", "cpu", "--secret-file", _secret(tmp_path, size=8)])
+
+
+def test_pd_modes_parse(tmp_path):
+    secret = _secret(tmp_path)
+    cfg = parse_cli(["--device", "cpu", "--mode", "decode", "--cpu-cache-gb", "0.01", "--secret-file", secret,
+                     "--pd-port", "7001", "--pd-timeout", "5"])
+    assert (cfg.server.mode, cfg.server.pd_port, cfg.server.pd_timeout_s) == ("decode", 7001, 5.0)
+    assert cfg.server.secret_file == secret
+    master = parse_cli(["--device", "cpu", "--mode", "pd-master", "--secret-file", secret, "--prefill-url",
+                        "http://127.0.0.1:8001", "--decode-url", "http://127.0.0.1:8002"])
+    assert master.server.prefill_urls == ("http://127.0.0.1:8001",)
+    assert master.server.decode_urls == ("http://127.0.0.1:8002",)
