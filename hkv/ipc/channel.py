@@ -184,5 +184,14 @@ class Sender(Generic[T]):
                 self._shadow = zmq.asyncio.Socket.shadow(self._sock.underlying)
             await self._shadow.send(data, copy=len(data) < ZERO_COPY_BYTES)
 
+    def send_nowait(self, msg: T) -> bool:
+        """Send from synchronous code; False (nothing sent) when the peer's high water mark is reached."""
+        data = self._encoder.encode(msg)
+        try:
+            self._sock.send(data, zmq.NOBLOCK, copy=len(data) < ZERO_COPY_BYTES)
+        except zmq.Again:
+            return False
+        return True
+
     async def aclose(self) -> None:
         self._sock.close(linger=100)

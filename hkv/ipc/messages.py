@@ -38,6 +38,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     req_id: int  # unique per api process, never reused
     prompt_ids: list[int]  # validated: every id inside the vocabulary, length >= 1
     sampling: SamplingParams
+    peer: str | None = None  # decode mode: the prefill transporter to pull the prompt's pages from (a checked ticket)
+    for_peer: bool = False  # prefill mode: answer only once the prompt's pages are in the CPU tier (docs/pd.md)
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
@@ -128,6 +130,7 @@ class TierLookup(msgspec.Struct, frozen=True, tag="tier_lookup"):
     keys: list[bytes]  # 16-byte page keys, in sequence order
     need_state: bool  # hybrid: the run must end at a page that carries a checkpoint
     parent: bytes | None = None  # the key of page first - 1 (None when first == 0): the run's place in its chain
+    to_transporter: bool = False  # answer the transporter (a peer's pull), not the router
 
 
 class TierRelease(msgspec.Struct, frozen=True, tag="tier_release"):
@@ -147,6 +150,7 @@ class TierReserve(msgspec.Struct, frozen=True, tag="tier_reserve"):
     offload_id: int
     keys: list[bytes]
     state: bool
+    to_transporter: bool = False  # answer the transporter (a pull from a peer), not the router
 
 
 class TierCommit(msgspec.Struct, frozen=True, tag="tier_commit"):
@@ -198,8 +202,35 @@ class TierFlushed(msgspec.Struct, frozen=True, tag="tier_flushed"):
 
 TierOutbound = TierFound | TierReserved | TierFlushed
 
-# Everything the router's inbox takes: the api's requests and the cache worker's answers.
-RouterInbound = Inbound | TierOutbound
+# Ids the transporter gives its lookups and reservations start here, so they never meet the router's.
+TRANSPORTER_IDS = 1 << 48
+
+
+# router -> transporter (decode mode)
+
+
+class PdFetch(msgspec.Struct, frozen=True, tag="pd_fetch"):
+    """Pull the pages of keys [0, len(keys)) the CPU tier lacks (and the last one's checkpoint) from `peer`."""
+
+    fetch_id: int
+    peer: str  # tcp://ip:port of the prefill instance's transporter, from a checked ticket
+    keys: list[bytes]  # chained page keys of the prompt's pages [0, len(keys)), len >= 1
+    need_state: bool  # hybrid: the run must end at a checkpoint
+
+
+class PdFetched(msgspec.Struct, frozen=True, tag="pd_fetched"):
+    """A fetch ended: its pages are committed in the CPU tier (ok), or nothing changed (ok=False)."""
+
+    fetch_id: int
+    ok: bool
+    moved: list[int]  # page indices whose bytes came from the peer
+    error: str | None = None  # why, when not ok
+
+
+TransporterInbound = PdFetch | TierFound | TierReserved
+
+# Everything the router's inbox takes: the api's requests, the cache worker's and the transporter's answers.
+RouterInbound = Inbound | TierOutbound | PdFetched
 
 
 # router -> rank

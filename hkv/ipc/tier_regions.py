@@ -6,6 +6,8 @@
               Its registry entry carries the HostLayout and the fingerprint root key.
     tiers     the worker's CPU and disk tier figures, a json_block. Writer: the cache
               worker. Readers: the api (/metrics) and hkv-inspect.
+    pd        prefill/decode modes: the transporter's figures (frames rejected by reason,
+              transfers, pages moved), a json_block. Writer: the transporter.
 
 The launcher writes the registry entry (`registry_layout`); the worker, the
 router and the ranks read it back (`pool_layout`, `attach_pool`).
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
 TIER_REGION = "cpu_tier"
 TIER_STATS_REGION = "tiers"
 TIER_STATS_NBYTES = 64 * 1024
+PD_STATS_REGION = "pd"  # prefill/decode: the transporter's figures, a json_block (hkv/actors/transporter.py)
+PD_STATS_NBYTES = 16 * 1024
 VERSION = 3  # 2: one budget of units (HostLayout.state_units), no fixed page/checkpoint split; 3: the drafter's part
 
 
