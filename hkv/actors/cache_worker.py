@@ -31,7 +31,7 @@ from hkv.ipc import json_block
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import (
     RouterInbound, TierCommit, TierFlush, TierFlushed, TierFound, TierInbound, TierLookup, TierRelease,
-    TierReserve, TierReserved,
+    TierReserve, TierReserved, TransporterInbound,
 )  # fmt: skip
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.ipc.shm import ShmRegion
@@ -73,6 +73,10 @@ class CacheWorker:
         self.changed = asyncio.Event()  # set when the stats block is stale
         self.inbox: Receiver[TierInbound] = Receiver(zctx, cfg.ipc_address("cache_in"), TierInbound, "cache_in")
         self.to_router: Sender[RouterInbound] = Sender(zctx, cfg.ipc_address("router_in"), "router_in")
+        # prefill/decode: the transporter's pulls and reservations are answered to it
+        self.to_transporter: Sender[TransporterInbound] | None = (
+            Sender(zctx, cfg.ipc_address("transporter_in"), "transporter_in")
+            if cfg.server.mode in ("prefill", "decode") else None)
 
     def move_page(self, src: int, dst: int) -> None:
         """Copy page entry src to dst (compaction; the tier moves only entries no rank or thread touches)."""
@@ -100,23 +104,36 @@ class CacheWorker:
     async def handle(self, msg: TierInbound) -> None:
         if isinstance(msg, TierLookup):
             if self.lookups.full():
-                await self.to_router.send(TierFound(msg.lookup_id, msg.first, [], [], None))
+                await self.answer(msg, TierFound(msg.lookup_id, msg.first, [], [], None))
             else:
                 self.lookups.put_nowait(msg)
         elif isinstance(msg, TierRelease):
             self.policy.release(msg.lookup_id)
         elif isinstance(msg, TierReserve):
-            await self.to_router.send(self.reserve(msg))
+            await self.answer(msg, self.reserve(msg))
         elif isinstance(msg, TierCommit):
             self.commit(msg.offload_id, msg.ok)
         elif isinstance(msg, TierFlush):
             await self.to_router.send(await self.flush(msg.flush_id))
 
+    async def answer(self, msg: TierLookup | TierReserve, reply: TierFound | TierReserved) -> None:
+        """To the router, or to the transporter for its own asks (refused, with nothing held, without one)."""
+        if not msg.to_transporter:
+            await self.to_router.send(reply)
+        elif self.to_transporter is not None:
+            await self.to_transporter.send(reply)
+        else:
+            self.policy.counters.malformed += 1
+            if isinstance(reply, TierFound) and reply.entries:
+                self.policy.release(reply.lookup_id)
+            elif isinstance(reply, TierReserved) and reply.offload_id in self.policy.offloads:
+                self.policy.commit(reply.offload_id, False, 0)
+
     async def lookup_loop(self) -> None:
         while True:
             msg = await self.lookups.get()
             found = await self.lookup(msg)
-            await self.to_router.send(found)
+            await self.answer(msg, found)
             self.changed.set()
 
     async def lookup(self, msg: TierLookup) -> TierFound:
@@ -228,8 +245,9 @@ class CacheWorker:
         return doc
 
     async def aclose(self) -> None:
-        for channel in (self.inbox, self.to_router):
-            await channel.aclose()
+        for channel in (self.inbox, self.to_router, self.to_transporter):
+            if channel is not None:
+                await channel.aclose()
         if self.disk is not None:
             self.disk.close()
 
