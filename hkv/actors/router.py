@@ -43,6 +43,7 @@ from hkv.ipc.messages import (
     FlushCache,
     GenerateRequest,
     Outbound,
+    PdFetched,
     RankInbound,
     RankOutbound,
     RankReady,
@@ -57,6 +58,7 @@ from hkv.ipc.messages import (
     TierReserved,
     TokenBatch,
     TokenDelta,
+    TransporterInbound,
 )
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.ipc.shm import ShmRegion
@@ -108,6 +110,9 @@ class Router:
         self.inbox: Receiver[RouterInbound] = Receiver(zctx, cfg.ipc_address("router_in"), RouterInbound, "router_in")
         self.to_cache: Sender[TierInbound] | None = (
             Sender(zctx, cfg.ipc_address("cache_in"), "cache_in") if tier_layout is not None else None
+        )
+        self.to_transporter: Sender[TransporterInbound] | None = (
+            Sender(zctx, cfg.ipc_address("transporter_in"), "transporter_in") if cfg.server.mode == "decode" else None
         )
         self.results: DgramReceiver[RankOutbound] = DgramReceiver(
             cfg.ipc_address("router_results"), RankOutbound, "router_results"
@@ -216,6 +221,8 @@ class Router:
             self.scheduler.abort(msg.req_id)
         elif isinstance(msg, FlushCache):
             self._pending_flushes.append(msg.flush_id)
+        elif isinstance(msg, PdFetched):
+            self.scheduler.on_pd_fetched(msg)
         elif self.tiers is None:
             log.warning("ignoring a tier message without tiers: %r", msg)
         elif isinstance(msg, TierFound):
@@ -280,7 +287,8 @@ class Router:
             state = self.engine_state()
             self._published = (state.alive, state.waiting, state.running)
             self.stats.set_many({"malformed_router_in": self.inbox.malformed + self.check.dropped_router_in
-                                 + (self.tiers.malformed if self.tiers is not None else 0),
+                                 + (self.tiers.malformed if self.tiers is not None else 0)
+                                 + self.scheduler.pd_malformed,
                                  "malformed_router_results": self.results.malformed + self.check.dropped_results})
             await self.to_api.send(state)
 
@@ -289,6 +297,10 @@ class Router:
         if self.tiers is not None and self.tiers.outbox:
             for msg in self.tiers.take_outbox():
                 await self.to_cache.send(msg)
+        if self.scheduler.pd_outbox:
+            for msg in self.scheduler.take_pd_outbox():
+                if self.to_transporter is not None:
+                    await self.to_transporter.send(msg)
 
     async def answer_flushes(self) -> None:
         """Flush between steps (never inside a transaction) and tell the api what it freed;
@@ -407,8 +419,9 @@ class Router:
             sender.send_nowait(Shutdown("router stopping"))  # a rank that is already gone needs none
         for channel in (self.inbox, self.results, self.to_api, *self.to_ranks):
             await channel.aclose()
-        if self.to_cache is not None:
-            await self.to_cache.aclose()
+        for sender in (self.to_cache, self.to_transporter):
+            if sender is not None:
+                await sender.aclose()
 
 
 async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:

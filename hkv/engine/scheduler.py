@@ -44,6 +44,7 @@ from hkv.engine.tier_client import TierClient, TierHit
 from hkv.ipc.messages import (
     Chunk, GenerateRequest, NewSequence, SamplingParams, StepPlan, StepResult, TierFound, TierReserved, TokenDelta,
 )  # fmt: skip
+from hkv.engine.pd_fetching import PdFetching
 from hkv.engine.publishing import Publishing
 from hkv.engine.speculating import Speculating
 from hkv.engine.slot_book import SlotBook
@@ -85,6 +86,7 @@ class Sequence:
     lookup_pending: bool = False  # a tier lookup is out: it waits (others may pass it)
     tier: TierHit | None = None  # the tier run its first admission may load, pinned by the worker
     proposals: list[int] = field(default_factory=list)  # the drafter's guesses after its last token (spec)
+    peer_pages: frozenset[int] = frozenset()  # decode mode: prompt pages pulled from the prefill peer
 
     @property
     def total_len(self) -> int:
@@ -102,7 +104,7 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[: stop - prompt_len]
 
 
-class Scheduler(Publishing, Speculating):
+class Scheduler(Publishing, Speculating, PdFetching):
     """Owns waiting and running sequences and their request-table rows."""
 
     def __init__(self, limits: SchedulerLimits, coord: CacheCoordinator, table: RequestTable,
@@ -128,10 +130,14 @@ class Scheduler(Publishing, Speculating):
         self._finished: list[TokenDelta] = []  # deltas produced outside a step (aborts)
         self._sent: dict[int, dict[int, Sequence]] = {}  # step -> {slot: sequence} of plans without a result
         self._unpublished: dict[int, StepPlan] = {}  # sent plans whose computed prefixes are not published yet
+        self._pd_init()
 
     def add(self, req: GenerateRequest) -> None:
         seq = Sequence(req.req_id, list(req.prompt_ids), req.sampling)
-        if self.tiers is not None:
+        if req.for_peer:
+            self._for_peer.add(req.req_id)
+        fetching = req.peer is not None and self._start_fetch(seq, req.peer)  # then the lookup: on_pd_fetched
+        if self.tiers is not None and not fetching:
             hit = self.coord.peek(seq.prompt_ids)
             seq.lookup_pending = self.tiers.lookup(seq.req_id, seq.keys, seq.prompt_ids, hit)
         self.waiting.append(seq)
@@ -203,7 +209,7 @@ class Scheduler(Publishing, Speculating):
 
     def take_finished(self) -> list[TokenDelta]:
         out, self._finished = self._finished, []
-        return out
+        return self._hold_for_peer(out)
 
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when nothing can run.
@@ -398,7 +404,8 @@ class Scheduler(Publishing, Speculating):
             P = self.limits.page_size
             used = seq.tier.from_disk[len(seq.tier.entries) - loaded // P :]
             counts["disk"] = sum(used) * P
-            counts["cpu"] = loaded - counts["disk"]
+            counts["peer"] = self._peer_tokens(seq, hit_tokens // P, loaded // P)
+            counts["cpu"] = loaded - counts["disk"] - counts["peer"]
         return counts
 
     def _spare_pages(self) -> int:
@@ -493,7 +500,7 @@ class Scheduler(Publishing, Speculating):
                     seq.proposals = list(token.proposals)
                     deltas.append(self._append_token(seq, token))
         self.slots.step_done(plan.step)
-        return deltas
+        return self._hold_for_peer(deltas)
 
     def _fail(self, sent: dict[int, Sequence], error: str, deltas: list[TokenDelta], published: bool) -> None:
         """A step failed: its sequences fail. When its prefixes were published ahead of the result,

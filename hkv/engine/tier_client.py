@@ -65,6 +65,8 @@ class TierClient:
         self.outbox: list[TierInbound] = []
         self.waiting_lookups: dict[int, int | None] = {}  # lookup id -> req id (None: it left), until TierFound
         self.offloads: dict[int, Hold] = {}  # offload id -> the hold on its pages, until TierReserved
+        self.offloading: dict[int, int] = {}  # req id -> its copies out not settled yet (prefill mode waits)
+        self._offload_req: dict[int, int] = {}  # offload id -> its request, until settled
         self.skipped_offloads = 0  # publishes not copied out (too many in flight)
         self.malformed = 0  # answers naming an unknown id or an index out of range (dropped)
         self._ids = itertools.count(1)
@@ -146,8 +148,18 @@ class TierClient:
         keys = self.keys(known, token_ids, hold.length // self.page_size)
         offload_id = next(self._ids)
         self.offloads[offload_id] = hold
+        self._offload_req[offload_id] = req_id
+        self.offloading[req_id] = self.offloading.get(req_id, 0) + 1
         self.outbox.append(TierReserve(offload_id, keys, hold.checkpoint is not None))
         return True
+
+    def _settled(self, offload_id: int) -> None:
+        """An offload committed, failed or copied nothing: its request waits for one fewer."""
+        req_id = self._offload_req.pop(offload_id, None)
+        if req_id is not None:
+            left = self.offloading.pop(req_id) - 1
+            if left:
+                self.offloading[req_id] = left
 
     def reserved(self, msg: TierReserved) -> list[CacheOp]:
         """The copy ops for a reservation (for the next plan); the commit and unhold follow that plan."""
@@ -158,6 +170,7 @@ class TierClient:
         if msg.offload_id in self._poisoned:
             self._poisoned.discard(msg.offload_id)
             self.coord.unhold(hold)
+            self._settled(msg.offload_id)
             if msg.state_entry is not None or any(e is not None for e in msg.entries):
                 self.outbox.append(TierCommit(msg.offload_id, False))
             return []
@@ -173,6 +186,7 @@ class TierClient:
             ops.append(StoreState(ckpt.slot, msg.state_entry))
         if not ops:
             self.coord.unhold(hold)
+            self._settled(msg.offload_id)
             if msg.state_entry is not None or any(e is not None for e in msg.entries):
                 self.outbox.append(TierCommit(msg.offload_id, False))
             return []
@@ -180,6 +194,7 @@ class TierClient:
         def done(ok: bool) -> None:
             self.outbox.append(TierCommit(msg.offload_id, ok))
             self.coord.unhold(hold)
+            self._settled(msg.offload_id)
 
         self._next_plan.append(done)
         return ops
