@@ -85,6 +85,11 @@ class Instance:
         registry.add(stats.RADIX_REGION, writer="router", version=1, layout={"format": "json_block"})
         if cfg.cache.tiers:
             self.create_tier_regions(registry)
+        if cfg.server.mode in ("prefill", "decode"):
+            self.regions.append(ShmRegion.create(cfg.server.name, tier_regions.PD_STATS_REGION,
+                                                 tier_regions.PD_STATS_NBYTES, writer="transporter"))
+            registry.add(tier_regions.PD_STATS_REGION, writer="transporter", version=1,
+                         layout={"format": "json_block"})
 
     def create_tier_regions(self, registry: Registry) -> None:
         """The CPU tier's page pool (sized from the model's layouts) and the cache worker's stats block."""
@@ -144,8 +149,13 @@ class Instance:
         fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(cfg.to_json())
+        if cfg.server.mode == "pd-master":
+            await self.spawn("pd_master", "hkv.actors.pd_master", config_file, [])
+            return
         if cfg.cache.tiers:
             await self.spawn("cache_worker", "hkv.actors.cache_worker", config_file, [])
+        if cfg.server.mode in ("prefill", "decode"):
+            await self.spawn("transporter", "hkv.actors.transporter", config_file, [])
         for r in range(cfg.model.tp):
             await self.spawn(f"rank{r}", "hkv.actors.rank", config_file, ["--rank", str(r)])
         await self.spawn("router", "hkv.actors.router", config_file, [])
@@ -205,7 +215,9 @@ class Instance:
                 pass
 
     def stop_order(self) -> list[str]:
-        return ["api", "router"] + [f"rank{r}" for r in range(self.cfg.model.tp)] + ["cache_worker"]
+        if self.cfg.server.mode == "pd-master":
+            return ["pd_master"]
+        return ["api", "router"] + [f"rank{r}" for r in range(self.cfg.model.tp)] + ["transporter", "cache_worker"]
 
 
 def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
@@ -268,7 +280,8 @@ async def _supervise(inst: Instance) -> int:
 
 
 async def _drain(inst: Instance) -> None:
-    api = next(c for c in inst.children if c.name == "api")
+    front = "pd_master" if inst.cfg.server.mode == "pd-master" else "api"  # the actor that drains HTTP
+    api = next(c for c in inst.children if c.name == front)
     _signal(api, signal.SIGTERM)
     api_done = asyncio.ensure_future(api.proc.wait())
     halt = asyncio.ensure_future(inst.halt.wait())
@@ -295,7 +308,8 @@ async def _run(cfg: HkvConfig) -> int:
         loop.add_signal_handler(sig, _on_signal, inst)
     try:
         try:
-            inst.create_regions()
+            if cfg.server.mode != "pd-master":  # the master holds no cache and no shared memory
+                inst.create_regions()
         except ConfigError as exc:
             print(f"hkv-launch: error: {exc}", file=sys.stderr, flush=True)
             return 2
@@ -306,8 +320,10 @@ async def _run(cfg: HkvConfig) -> int:
             print(f"hkv-launch: failed to start: {failure}", file=sys.stderr, flush=True)
             return 1
         url = f"http://{cfg.server.host}:{cfg.server.port}"
-        print(f"hkv-launch: serving {cfg.model.model} at {url} (ready in {time.monotonic() - started:.1f} s)",
-              flush=True)
+        what = (f"the pd master of {len(cfg.server.prefill_urls)} prefill and {len(cfg.server.decode_urls)} decode "
+                "instances" if cfg.server.mode == "pd-master" else cfg.model.model)
+        role = f" ({cfg.server.mode})" if cfg.server.mode in ("prefill", "decode") else ""
+        print(f"hkv-launch: serving {what}{role} at {url} (ready in {time.monotonic() - started:.1f} s)", flush=True)
         return await _supervise(inst)
     finally:
         await inst.stop_children(inst.stop_order())

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -39,6 +40,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hkv.config import HkvConfig, KeyHash
+from hkv.ipc.auth import load_secret
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import Inbound, Outbound
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
@@ -47,6 +49,7 @@ from hkv.openai.generation import ChoiceUpdate, Generation
 from hkv.openai.http_limits import BoundedSite
 from hkv.openai.metrics import ApiMetrics
 from hkv.openai.openapi import openapi_document
+from hkv.openai.pd_route import NO_ROUTE, PdFront, PdRoute
 from hkv.openai.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatRequest,
@@ -61,7 +64,7 @@ from hkv.openai.protocol import (
 )
 from hkv.openai.responses import DONE_FRAME, ChatFormat, CompletionFormat, error_body, error_frame
 from hkv.openai.router_link import RequestStream, RouterLink
-from hkv.openai.stats_readers import attach_engine_stats, attach_tier_stats, malformed_sources
+from hkv.openai.stats_readers import attach_engine_stats, attach_pd_stats, attach_tier_stats, malformed_sources
 from hkv.openai.tokenize import PromptEncoder, TokenizeWorker, longest_token_chars
 
 log = logging.getLogger("hkv.api")
@@ -113,6 +116,8 @@ class Api:
         self._idle.set()
         self._seeds = random.Random()  # seeds for requests that bring none
         self._started = int(time.time())
+        secret = load_secret(cfg.server.secret_file) if cfg.server.mode == "decode" else None
+        self.pd = PdFront(cfg.server.mode, cfg.run_dir, secret)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.server.max_body_bytes, middlewares=[self._errors, self._auth])
@@ -124,6 +129,7 @@ class Api:
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/openapi.json", self.openapi_page)
         app.router.add_post("/cache/flush", self.cache_flush)
+        app.router.add_get("/pd/info", self.pd_info)
         return app
 
     @web.middleware
@@ -173,19 +179,23 @@ class Api:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
-        req = parse_completion(await self._read_json(request), self.limits)
+        body = await self._read_json(request)
+        req = parse_completion(body, self.limits)
+        route = self.pd.route(body)
         prompts = await self._completion_prompts(req)
         opts = req.options
         fmt = CompletionFormat(self.limits.model_id, self.tokenizer, opts.return_token_ids, opts.include_usage)
-        return await self._generate(request, arrived, opts, prompts, fmt, COMPLETION_DEFAULT_MAX_TOKENS)
+        return await self._generate(request, arrived, opts, prompts, fmt, COMPLETION_DEFAULT_MAX_TOKENS, route)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
-        req = parse_chat(await self._read_json(request), self.limits)
+        body = await self._read_json(request)
+        req = parse_chat(body, self.limits)
+        route = self.pd.route(body)
         prompts = await self.prompts.encode([self._chat_text(req)], add_special_tokens=False)
         opts = req.options
         fmt = ChatFormat(self.limits.model_id, self.tokenizer, opts.return_token_ids, opts.include_usage)
-        return await self._generate(request, arrived, opts, prompts, fmt, None)
+        return await self._generate(request, arrived, opts, prompts, fmt, None, route)
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
         limit = self.cfg.server.max_body_bytes
@@ -237,19 +247,24 @@ class Api:
         prompts: Sequence[list[int]],
         fmt: Format,
         default_cap: int | None,
+        route: PdRoute = NO_ROUTE,
     ) -> web.StreamResponse:
         seed = self._seeds.getrandbits(62)
+        if route.for_peer:  # one token out, of the prompt less its last token (hkv/openai/pd_route.py)
+            options, prompts = dataclasses.replace(options, max_tokens=1, n=1), PdFront.prompts_for(route, prompts)
         plans = plan_sequences([len(p) for p in prompts], options, self.limits, default_cap, seed)
         self._admit(len(plans))
         bound = sum(p.sampling.max_tokens + 2 for p in plans)
-        stream = self.link.open([(prompts[p.prompt_index], p.sampling) for p in plans], bound)
+        stream = self.link.open([(prompts[p.prompt_index], p.sampling) for p in plans], bound, route.peer,
+                                route.for_peer)
         want_logprobs = options.logprobs is not None
         gen = Generation(plans, stream.req_ids, prompts, self.tokenizer, options.stop, want_logprobs, arrived)
         self._enter()
         try:
             if options.stream:
                 return await self._stream(request, gen, stream, fmt)
-            return await self._collect(gen, stream, fmt)
+            response = await self._collect(gen, stream, fmt)
+            return self.pd.answer_for_peer(response) if route.for_peer else response
         finally:
             self.link.close(stream)
             self.metrics.observe_generation(gen)
@@ -319,6 +334,9 @@ class Api:
         state = self.link.state
         engine = None if state is None else {**msgspec.structs.asdict(state), "stalled": self.link.progress.stalled()}
         return _json({"ready": ok, "draining": self.draining, "engine": engine}, 200 if ok else 503)
+
+    async def pd_info(self, request: web.Request) -> web.Response:
+        return _json(self.pd.info())
 
     async def openapi_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.openapi, content_type="application/json")
@@ -423,7 +441,8 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
             await worker.start()
             link = await _open_link(cfg, zctx, stack)
             engine_stats, tier_stats = attach_engine_stats(cfg, stack), attach_tier_stats(cfg, stack)
-            metrics = ApiMetrics(malformed_sources(link, engine_stats, tier_stats), engine_stats, tier_stats)
+            metrics = ApiMetrics(malformed_sources(link, engine_stats, tier_stats), engine_stats, tier_stats,
+                                 attach_pd_stats(cfg, stack))
             prompts = PromptEncoder(tokenizer, worker, limits)
             api = Api(cfg, link, prompts, limits, metrics)
             url = await _start_http(cfg, api, stack)

@@ -156,12 +156,49 @@ class _CoverageCollector:
         yield reach
 
 
+class _PdStatsCollector:
+    """The transporter's figures (prefill and decode modes): peer frames, transfers, pages moved."""
+
+    def __init__(self, read: Callable[[], dict | None]):
+        self._read = read
+
+    def collect(self):
+        doc = self._read()
+        if not isinstance(doc, dict) or not isinstance(doc.get("frames"), dict):
+            return
+        frames = dict(doc["frames"])
+        yield CounterMetricFamily("hkv_pd_frames_accepted", "Peer frames that passed every check",
+                                  value=frames.pop("accepted", 0))
+        rejected = CounterMetricFamily("hkv_pd_frames_rejected", "Peer frames dropped, by the check they failed",
+                                       labels=["reason"])
+        for reason, n in sorted(frames.items()):
+            rejected.add_metric([reason], n)
+        yield rejected
+        fetches = CounterMetricFamily("hkv_pd_fetches", "Transfers this instance pulled, by outcome",
+                                      labels=["outcome"])
+        fetches.add_metric(["ok"], doc.get("fetches_ok", 0))
+        fetches.add_metric(["failed"], doc.get("fetches_failed", 0))
+        yield fetches
+        pages = CounterMetricFamily("hkv_pd_pages", "KV pages moved between instances", labels=["direction"])
+        pages.add_metric(["received"], doc.get("pages_received", 0))
+        pages.add_metric(["sent"], doc.get("pages_sent", 0))
+        yield pages
+        moved = CounterMetricFamily("hkv_pd_bytes", "Bytes moved between instances", labels=["direction"])
+        moved.add_metric(["received"], doc.get("bytes_received", 0))
+        moved.add_metric(["sent"], doc.get("bytes_sent", 0))
+        yield moved
+        yield GaugeMetricFamily("hkv_pd_runs_held", "Runs pinned for a peer's pull", value=doc.get("runs_held", 0))
+        yield CounterMetricFamily("hkv_pd_runs_expired", "Pinned runs released by the timeout (the peer never "
+                                  "finished)", value=doc.get("runs_expired", 0))
+
+
 class ApiMetrics:
     def __init__(
         self,
         malformed_sources: dict[str, Callable[[], int]],
         engine_stats: Callable[[], dict[str, float] | None] = lambda: None,
         tier_stats: Callable[[], dict | None] = lambda: None,
+        pd_stats: Callable[[], dict | None] = lambda: None,
     ):
         self.registry = CollectorRegistry()
         r = self.registry
@@ -188,6 +225,7 @@ class ApiMetrics:
         r.register(_EngineStatsCollector(engine_stats))
         r.register(_TierStatsCollector(tier_stats))
         r.register(_CoverageCollector(engine_stats, tier_stats))
+        r.register(_PdStatsCollector(pd_stats))
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

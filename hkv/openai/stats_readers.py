@@ -32,12 +32,23 @@ def attach_engine_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack) -> Eng
 
 def attach_tier_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack) -> TierStats:
     """A reader of the cache worker's stats block (a json_block); reads nothing without tiers."""
-    if not cfg.cache.tiers:
-        return lambda: None
     from hkv.ipc.tier_regions import TIER_STATS_REGION
 
+    return _attach_json_block(cfg, TIER_STATS_REGION, cfg.cache.tiers, stack)
+
+
+def attach_pd_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack) -> TierStats:
+    """A reader of the transporter's stats block (prefill and decode modes); reads nothing otherwise."""
+    from hkv.ipc.tier_regions import PD_STATS_REGION
+
+    return _attach_json_block(cfg, PD_STATS_REGION, cfg.server.mode in ("prefill", "decode"), stack)
+
+
+def _attach_json_block(cfg: HkvConfig, region_name: str, enabled: bool, stack: contextlib.AsyncExitStack) -> TierStats:
+    if not enabled:
+        return lambda: None
     try:
-        region = ShmRegion.attach(cfg.server.name, TIER_STATS_REGION, readonly=True)
+        region = ShmRegion.attach(cfg.server.name, region_name, readonly=True)
     except ShmError:
         return lambda: None
     stack.callback(region.close)
