@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import json
 import os
 import time
 from typing import Any
@@ -36,41 +37,56 @@ def check_peer_address(address: str) -> str:
     if not isinstance(address, str) or not address.startswith("tcp://") or len(address) > 64:
         raise TicketError("peer must be tcp://<ip>:<port>")
     host, sep, port = address[len("tcp://"):].rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise TicketError("peer must be tcp://<ip>:<port>")
+    bracketed = host.startswith("[") and host.endswith("]")
     try:
-        ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
     except ValueError:
         raise TicketError("peer must be tcp://<ip>:<port>") from None
+    if bracketed != (ip.version == 6):  # IPv6 literals in brackets, IPv4 ones without
+        raise TicketError("peer must be tcp://<ip>:<port> (an IPv6 address in brackets)")
     return address
 
 
-def _mac(secret: bytes, peer: str, issued: int, nonce: str) -> str:
-    body = b"|".join((_DOMAIN, peer.encode(), str(issued).encode(), nonce.encode()))
-    return hmac.new(secret, body, hashlib.sha256).hexdigest()
+def _mac(secret: bytes, peer: str, issued: int, nonce: str, device: Any = None) -> str:
+    parts = [_DOMAIN, peer.encode(), str(issued).encode(), nonce.encode()]
+    if device is not None:  # canonical JSON: the signature covers every field of it
+        parts.append(json.dumps(device, sort_keys=True, separators=(",", ":")).encode())
+    return hmac.new(secret, b"|".join(parts), hashlib.sha256).hexdigest()
 
 
-def make_ticket(secret: bytes, peer: str, now: float | None = None) -> dict[str, Any]:
-    """A ticket naming `peer`, signed with `secret` (the pd master's side)."""
+def make_ticket(secret: bytes, peer: str, now: float | None = None, device: Any = None) -> dict[str, Any]:
+    """A ticket naming `peer` (and, on one GPU, the prefill's device hold `device`), signed with `secret`."""
     check_peer_address(peer)
     issued = int(time.time() if now is None else now)
     nonce = os.urandom(8).hex()
-    return {"peer": peer, "issued": issued, "nonce": nonce, "sig": _mac(secret, peer, issued, nonce)}
+    ticket = {"peer": peer, "issued": issued, "nonce": nonce, "sig": _mac(secret, peer, issued, nonce, device)}
+    if device is not None:
+        ticket["device"] = device
+    return ticket
 
 
 def check_ticket(secret: bytes, ticket: Any, now: float | None = None) -> str:
     """The peer address of a valid ticket (the decode instance's side); raises TicketError."""
-    if not isinstance(ticket, dict) or set(ticket) != {"peer", "issued", "nonce", "sig"}:
-        raise TicketError("hkv_pd must be an object with peer, issued, nonce and sig")
+    return check_ticket_device(secret, ticket, now)[0]
+
+
+def check_ticket_device(secret: bytes, ticket: Any, now: float | None = None) -> tuple[str, Any]:
+    """(peer address, device hold or None) of a valid ticket; raises TicketError."""
+    keys = {"peer", "issued", "nonce", "sig"}
+    if not isinstance(ticket, dict) or not keys <= set(ticket) <= keys | {"device"}:
+        raise TicketError("hkv_pd must be an object with peer, issued, nonce and sig (and device)")
     peer, issued, nonce, sig = ticket["peer"], ticket["issued"], ticket["nonce"], ticket["sig"]
     if not isinstance(issued, int) or isinstance(issued, bool):
         raise TicketError("hkv_pd.issued must be an integer")
     if not (isinstance(nonce, str) and len(nonce) == 16 and isinstance(sig, str) and len(sig) == 64):
         raise TicketError("hkv_pd.nonce or hkv_pd.sig is malformed")
     check_peer_address(peer)
-    if not hmac.compare_digest(_mac(secret, peer, issued, nonce), sig):
+    device = ticket.get("device")
+    if not hmac.compare_digest(_mac(secret, peer, issued, nonce, device), sig):
         raise TicketError("hkv_pd signature does not match (is --secret-file the same on every instance?)")
     age = (time.time() if now is None else now) - issued
     if not -MAX_AGE_S <= age <= MAX_AGE_S:
         raise TicketError(f"hkv_pd ticket is {age:.0f} s old (at most {MAX_AGE_S:.0f} s)")
-    return peer
+    return peer, device
