@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import msgspec
@@ -81,6 +82,8 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
         spec.attach(runner, draft, cfg.spec.spec_tokens, slots + extra, cfg.spec.oracle, cfg.model.cuda_graph_max_bs)
         log.info("speculative decoding: %d MTP drafts a step, draft window %s, %.1f KiB of drafter state a slot",
                  cfg.spec.spec_tokens, draft.window or "full length (paged)", state.draft_bytes_per_slot() / 1024)
+    if on_cuda and not drafting and cfg.server.mode in ("prefill", "decode"):
+        _share_pools(cfg, runner)
     seconds = runner.capture_graphs()
     if runner.graphs is not None:
         log.info("CUDA graphs: %d decode buckets up to batch %d in %.1f s", len(runner.graphs.graphs),
@@ -91,6 +94,23 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
                  len(verify_graphs.graphs), verify_graphs.max_bs, verify_graphs.q,
                  ", drafter included" if verify_graphs.ring else "", seconds)
     return runner, pages, slots
+
+
+def _share_pools(cfg: HkvConfig, runner: ModelRunner) -> None:
+    """Prefill: publish the pools' CUDA IPC handles for decode ranks on this GPU; decode: map peers' pools."""
+    from hkv.storage import ipc_pools
+
+    state = runner.state
+    conv, recurrent = (state.conv, state.recurrent) if state is not None else (None, None)
+    if cfg.server.mode == "decode":
+        runner.peer_pools = ipc_pools.PeerPools(runner.device, runner.kv.layers_view(), conv, recurrent)
+        return
+    path = os.path.join(cfg.run_dir, ipc_pools.POOLS_FILE)
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(ipc_pools.export_pools(runner.kv.layers_view(), conv, recurrent))
+    os.replace(path + ".tmp", path)
+    log.info("device pools shared for decode instances on this GPU (CUDA IPC)")
 
 
 def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
@@ -141,7 +161,8 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         if cfg.cache.tiers:
             host_region = _attach_host_pool(cfg, runner)
         inbox.start()
-        await outbox.send(RankReady(ctx.rank, pages, slots))
+        uuid = ipc_uuid(runner)
+        await outbox.send(RankReady(ctx.rank, pages, slots, uuid))
         ctx.ready(rank=ctx.rank)
         await run_until_stopped(_step_loop(ctx, inbox, outbox, runner), ctx.stop)
     finally:
@@ -199,6 +220,15 @@ async def _answer(ctx: ActorContext, inbox, outbox, runner: ModelRunner, launche
     if ctx.rank == 0:
         malformed = inbox.malformed
         await outbox.send(msgspec.structs.replace(result, malformed=malformed) if malformed else result)
+
+
+def ipc_uuid(runner: ModelRunner) -> str:
+    """The GPU's uuid when this rank can copy from a prefill peer's pools on it, else ""."""
+    if runner.peer_pools is None:
+        return ""
+    from hkv.storage.ipc_pools import gpu_uuid
+
+    return gpu_uuid(runner.device)
 
 
 def main() -> None:

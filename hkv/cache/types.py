@@ -118,7 +118,18 @@ class LoadState(msgspec.Struct, frozen=True, tag="load_state"):
     dst_slot: int  # the request's live state slot
 
 
-CacheOp = RestoreCheckpoint | SaveCheckpoint | StorePages | StoreState | LoadPages | LoadState
+class PeerCopy(msgspec.Struct, frozen=True, tag="peer_copy"):
+    """Copy a prefill instance's device pages (and its checkpoint) into a request's fresh pages and live
+    state slot, device to device over CUDA IPC (prefill/decode on one GPU, docs/pd.md)."""
+
+    pools: str  # the prefill instance's pools document (hkv/storage/ipc_pools.py), from a checked ticket
+    src_pages: list[int]  # the peer's device pages, held by its router until this step ran
+    dst_pages: list[int]  # device pages the admitting transaction allocated, in sequence order
+    src_slot: int | None  # the peer's checkpoint slot (hybrid), held with the pages
+    dst_slot: int | None  # the request's live state slot
+
+
+CacheOp = RestoreCheckpoint | SaveCheckpoint | StorePages | StoreState | LoadPages | LoadState | PeerCopy
 
 
 @dataclass(frozen=True)

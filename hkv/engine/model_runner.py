@@ -13,13 +13,16 @@ tensors and the forward runs the pure-torch references.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from hkv.cache.types import LoadPages, LoadState, RestoreCheckpoint, SaveCheckpoint, StorePages, StoreState
+from hkv.cache.types import (
+    LoadPages, LoadState, PeerCopy, RestoreCheckpoint, SaveCheckpoint, StorePages, StoreState,
+)  # fmt: skip
 from hkv.engine.cuda_graphs import DecodeGraphs
 from hkv.engine.sampler import PendingSample, SampleRow, sample_async
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
@@ -29,6 +32,17 @@ from hkv.models.batch import ForwardBatch
 from hkv_kernels.dispatch import copy_blocks  # imports no kernel until a CUDA tensor asks
 from hkv_kernels.gdn import GDN_CHUNK
 from hkv_kernels.meta import StepArena, attention_tile, checkpoint_arrays, checkpoint_meta, kernel_meta, meta_arrays
+
+
+log = logging.getLogger("hkv.rank")
+
+
+def _log_peer_copies(timings: list) -> None:
+    """A plan's peer copies ran (its result is in): how fast (tools/bench_pd.py reads these lines)."""
+    for start, pages_done, end, pages, nbytes in timings:
+        ms = start.elapsed_time(end)
+        log.info("peer copy: %d pages and their state, %.1f MiB in %.3f ms (%.1f GB/s; pages %.3f ms)", pages,
+                 nbytes / 2**20, ms, nbytes / ms / 1e6 if ms > 0 else 0.0, start.elapsed_time(pages_done))
 
 
 @dataclass
@@ -41,6 +55,7 @@ class Launched:
     started: float  # perf_counter at launch
     error: str | None = None
     spec_out: list[Sampled] | None = None  # speculative decoding: the step's answers, already on the host
+    peer_timings: list | None = None  # CUDA events around its peer copies (logged once it is answered)
 
     def done(self) -> bool:
         """The device finished it (its sampled ids are on the host)."""
@@ -74,6 +89,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.spec = None  # hkv.engine.spec.SpecDecoder when drafting (--spec-tokens), set by its builder
         self.scratch: tuple[int, int | None] | None = None  # CUDA: the graph rows' scratch page and state slot
+        self.peer_pools = None  # decode mode on CUDA: hkv.storage.ipc_pools.PeerPools, for PeerCopy ops
+        self._peer_timings: list[tuple] = []  # CUDA events around this plan's peer copies, logged at its finish
         # the CUDA path's arena, mirrored page table and decode buckets; tests also take it on CPU
         if self.device.type == "cuda" if device_metadata is None else device_metadata:
             self._init_cuda(scratch, max_tokens, graph_max_bs)
@@ -116,6 +133,7 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 self._run_cache_ops(plan)
+                timings, self._peer_timings = self._peer_timings, []
                 if not plan.chunks:  # a copies-only plan (tier stores while nothing runs)
                     self._sync()
                     return Launched(plan, [], None, started)
@@ -131,7 +149,7 @@ class ModelRunner:
                     self.last_tokens.index_copy_(0, sample_rows, pending.ids)
         except Exception as exc:  # a failed step fails its requests, not the rank
             return Launched(plan, [], None, started, f"{type(exc).__name__}: {exc}")
-        return Launched(plan, [c.slot for c in plan.chunks if c.sample], pending, started)
+        return Launched(plan, [c.slot for c in plan.chunks if c.sample], pending, started, peer_timings=timings)
 
     def finish(self, launched: "Launched") -> StepResult:
         """Wait for a launched plan's sampled ids (only they, and requested logprobs, come back)."""
@@ -142,6 +160,8 @@ class ModelRunner:
             return StepResult(plan.step, launched.spec_out, time.perf_counter() - launched.started)
         outs = launched.sample.outputs() if launched.sample is not None else []
         forward_s = time.perf_counter() - launched.started
+        if launched.peer_timings:
+            _log_peer_copies(launched.peer_timings)
         sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(launched.slots, outs)]
         return StepResult(plan.step, sampled, forward_s)
 
@@ -172,6 +192,40 @@ class ModelRunner:
                 self._copy_state(to_host=True, slot=op.src_slot, entry=op.dst_entry)
             elif isinstance(op, LoadState):
                 self._copy_state(to_host=False, slot=op.dst_slot, entry=op.src_entry)
+            elif isinstance(op, PeerCopy):
+                self._peer_copy(op)
+
+    def _peer_copy(self, op: PeerCopy) -> None:
+        """A prefill peer's pages and checkpoint into this rank's pools, device to device (CUDA IPC)."""
+        if self.peer_pools is None:
+            raise ValueError("a peer copy on a rank that cannot map peer pools (CUDA, no drafter)")
+        peer = self.peer_pools.get(op.pools)
+        if len(op.src_pages) != len(op.dst_pages) or (op.src_slot is None) != (op.dst_slot is None) or (
+                (op.src_slot is None) == ("conv" in peer)):
+            raise ValueError("a peer copy with unequal page lists, or a state copy that does not fit the pools")
+        src_n, dst_n = peer["kv"].shape[1], self.kv.num_pages
+        if not all(0 <= s < src_n for s in op.src_pages) or not all(0 <= d < dst_n for d in op.dst_pages):
+            raise IndexError("a peer copy names pages outside the pools")
+        if op.src_slot is not None and not (0 <= op.src_slot < peer["conv"].shape[1]
+                                            and 0 <= op.dst_slot < self.state.num_slots):
+            raise IndexError("a peer copy names a state slot outside the pools")
+        idx = self._indexes(op.src_pages, op.dst_pages) if op.src_pages else None
+        # the copy's own device time: the events go around the copies, after the index upload was queued
+        timing = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        timing[0].record()
+        if idx is not None:
+            copy_blocks(peer["kv"], self.kv.layers_view(), idx[0], idx[1])
+        timing[1].record()
+        if op.src_slot is not None:  # one slot: a few large blocks, which a plain strided copy moves fastest
+            for src, dst in ((peer["conv"], self.state.conv), (peer["recurrent"], self.state.recurrent)):
+                dst[:, op.dst_slot].copy_(src[:, op.src_slot])
+        timing[2].record()
+        kv = self.kv.layers_view()
+        nbytes = len(op.src_pages) * kv[:, 0].numel() * kv.element_size()
+        if op.src_slot is not None:
+            nbytes += sum(t[:, 0].numel() * t.element_size() for t in (self.state.conv, self.state.recurrent))
+        self._peer_timings.append((*timing, len(op.src_pages), nbytes))
+
 
     def _indexes(self, *lists: list[int]) -> torch.Tensor:
         """The index lists as one [n, M] int64 tensor on the device: one host-to-device transfer."""

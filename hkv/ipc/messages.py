@@ -32,6 +32,16 @@ class SamplingParams(msgspec.Struct, frozen=True):
 # api -> router
 
 
+class PeerDevice(msgspec.Struct, frozen=True):
+    """Decode mode on a prefill peer's GPU: its held device pages and checkpoint to copy over CUDA IPC."""
+
+    pools: str  # the peer's pools document (hkv/storage/ipc_pools.py)
+    hold_id: int  # the peer router's hold on them, released through the transporters once copied
+    length: int  # tokens the pages and the checkpoint cover (a multiple of the page size)
+    pages: list[int]  # the peer's device pages of [0, length)
+    slot: int | None  # the peer's checkpoint slot at `length` (hybrid models)
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     """One sequence to generate (the api fans `n > 1` out into n of these)."""
 
@@ -40,6 +50,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     sampling: SamplingParams
     peer: str | None = None  # decode mode: the prefill transporter to pull the prompt's pages from (a checked ticket)
     for_peer: bool = False  # prefill mode: answer only once the prompt's pages are in the CPU tier (docs/pd.md)
+    peer_device: PeerDevice | None = None  # decode mode: the peer's device pages, when both share a GPU
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
@@ -65,6 +76,15 @@ class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
 
 
+class PeerHold(msgspec.Struct, frozen=True, array_like=True):
+    """Prefill mode: a for_peer request's prefix held on the device for a decode instance to copy."""
+
+    hold_id: int
+    length: int
+    pages: list[int]
+    slot: int | None
+
+
 class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
     """New tokens of one sequence in one step, and its end when it ends."""
 
@@ -77,6 +97,7 @@ class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
     cached_tokens: int  # prompt tokens served from the cache, all tiers
     cache_tiers: dict[str, int] | None = None  # {"gpu": n, "cpu": n, "disk": n, "peer": n} on finish
     error: str | None = None  # human-readable reason when finish_reason == "error"
+    peer_hold: PeerHold | None = None  # prefill mode, on a for_peer finish: the prefix held for the peer
 
 
 class TokenBatch(msgspec.Struct, frozen=True, tag="tokens"):
@@ -227,10 +248,23 @@ class PdFetched(msgspec.Struct, frozen=True, tag="pd_fetched"):
     error: str | None = None  # why, when not ok
 
 
-TransporterInbound = PdFetch | TierFound | TierReserved
+class PdRelease(msgspec.Struct, frozen=True, tag="pd_release"):
+    """The decode router copied a peer's held device pages (or will not): tell the peer to let go."""
+
+    peer: str  # the prefill transporter, from the ticket
+    hold_id: int
+
+
+class PdHoldRelease(msgspec.Struct, frozen=True, tag="pd_hold_release"):
+    """Prefill side, transporter -> router: a decode peer is done with a hold."""
+
+    hold_id: int
+
+
+TransporterInbound = PdFetch | PdRelease | TierFound | TierReserved
 
 # Everything the router's inbox takes: the api's requests, the cache worker's and the transporter's answers.
-RouterInbound = Inbound | TierOutbound | PdFetched
+RouterInbound = Inbound | TierOutbound | PdFetched | PdHoldRelease
 
 
 # router -> rank
@@ -324,6 +358,7 @@ class RankReady(msgspec.Struct, frozen=True, tag="ready"):
     rank: int
     kv_pages: int  # pages in the device KV pool
     state_slots: int  # slots of the state pool the router may hand out (0: dense model)
+    peer_gpu: str = ""  # decode mode on CUDA: the GPU uuid whose prefill peers' pools this rank can map
 
 
 RankOutbound = StepResult | RankReady

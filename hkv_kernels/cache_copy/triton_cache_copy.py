@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 2048
+_BLOCK = 2048  # elements a program moves when one side is a pinned host pool (PCIe-bound)
+_D2D_BLOCK = 8192  # both on the GPU: 4 KiB a program left a 32k-token peer copy at 18% of a plain copy
 
 
 @triton.jit
@@ -74,10 +75,12 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst
     num_pairs = src_idx.numel()
     if num_pairs == 0:
         return
-    grid = (num_pairs, src.shape[0], triton.cdiv(numel, _BLOCK))
+    block = _D2D_BLOCK if src.is_cuda and dst.is_cuda else _BLOCK
+    block = min(block, triton.next_power_of_2(numel))
+    grid = (num_pairs, src.shape[0], triton.cdiv(numel, block))
     _copy_blocks_kernel[grid](
         src, dst, src_idx, dst_idx, src.shape[1], dst.shape[1], numel,
-        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1), BLOCK=_BLOCK, num_warps=4,
+        src.stride(0), src.stride(1), dst.stride(0), dst.stride(1), BLOCK=block, num_warps=8 if block > 2048 else 4,
     )
 
 
