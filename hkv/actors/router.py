@@ -44,6 +44,7 @@ from hkv.ipc.messages import (
     GenerateRequest,
     Outbound,
     PdFetched,
+    PdHoldRelease,
     RankInbound,
     RankOutbound,
     RankReady,
@@ -124,14 +125,16 @@ class Router:
 
     async def wait_for_ranks(self, count: int) -> None:
         """Wait for every rank's RankReady, then open the cache over the smallest KV pool."""
-        pages, slots = [], []
+        pages, slots, gpus = [], [], set()
         while len(pages) < count:
             msg = await self.results.get()
             if isinstance(msg, RankReady):
                 pages.append(msg.kv_pages)
                 slots.append(msg.state_slots)
+                gpus.add(msg.peer_gpu)
                 log.info("rank %d ready with %d KV pages, %d state slots", msg.rank, msg.kv_pages, msg.state_slots)
         self.open_cache(min(pages), min(slots))
+        self.scheduler.peer_gpu = gpus.pop() if len(gpus) == 1 else ""  # device copies: one rank, one GPU
 
     def open_cache(self, kv_pages: int, state_slots: int) -> None:
         """The coordinator, tier client and scheduler over a device pool of `kv_pages` pages and
@@ -154,6 +157,10 @@ class Router:
             layout, root = self.tier_layout
             self.tiers = TierClient(self.coord, root, c.page_size, c.hybrid, layout.num_pages, layout.num_states)
         self.scheduler = Scheduler(limits, self.coord, self.table, self.tiers)
+        self.scheduler.pd_timeout_s = cfg.server.pd_timeout_s
+        # prefill mode on CUDA (no drafter): prompts' device pages are held for decode peers on this GPU
+        self.scheduler.peer_holds_enabled = (cfg.server.mode == "prefill" and cfg.model.device == "cuda"
+                                             and cfg.spec.spec_tokens == 0)
         self.check = InboxCheck(RouterLimits(cfg.model.spec.vocab_size, cfg.model.max_context,
                                              self.table.layout.max_pages * c.page_size, kv_pages * c.page_size,
                                              cfg.scheduler.max_queued_requests))
@@ -174,6 +181,7 @@ class Router:
         last_result = time.perf_counter()
         while True:
             # 1. take in requests and aborts
+            self.scheduler.expire_peer_holds(self.cfg.server.pd_timeout_s)
             idle = not sent and (stuck or not self.scheduler.has_work())
             if idle:
                 self.record_radix(force=True)
@@ -223,6 +231,8 @@ class Router:
             self._pending_flushes.append(msg.flush_id)
         elif isinstance(msg, PdFetched):
             self.scheduler.on_pd_fetched(msg)
+        elif isinstance(msg, PdHoldRelease):
+            self.scheduler.release_peer_hold(msg.hold_id)
         elif self.tiers is None:
             log.warning("ignoring a tier message without tiers: %r", msg)
         elif isinstance(msg, TierFound):

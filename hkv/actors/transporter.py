@@ -44,13 +44,13 @@ from hkv.ipc import json_block
 from hkv.ipc.auth import Signer, Verifier, load_secret
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import (
-    TRANSPORTER_IDS, PdFetch, PdFetched, RouterInbound, TierCommit, TierFound, TierInbound, TierLookup,
+    TRANSPORTER_IDS, PdFetch, PdFetched, PdHoldRelease, PdRelease, RouterInbound, TierCommit, TierFound, TierInbound, TierLookup,
     TierRelease, TierReserve, TierReserved, TransporterInbound,
 )  # fmt: skip
 from hkv.ipc.pd_ticket import TicketError, check_peer_address
 from hkv.ipc.peer_messages import (
     CHUNK_BYTES, MAX_FRAME_PAYLOAD, MAX_KEYS, PeerAnswer, PeerAsk, PeerBytes, PeerDone, PeerLookup, PeerPull,
-    PeerRun,
+    PeerRelease, PeerRun,
 )  # fmt: skip
 from hkv.ipc.peer_socket import SealedSocket, tcp_socket
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
@@ -175,6 +175,9 @@ class Transporter:
         if isinstance(msg, PdFetch):
             tasks.create_task(self.fetch(msg))
             return
+        if isinstance(msg, PdRelease):
+            tasks.create_task(self.release(msg))
+            return
         answer_id = msg.lookup_id if isinstance(msg, TierFound) else msg.offload_id
         future = self.asks.pop(answer_id, None)
         if future is not None and not future.done():
@@ -201,14 +204,23 @@ class Transporter:
         async with asyncio.TaskGroup() as tasks:
             while True:
                 identity, sender, msg = await self.server.recv(PeerAsk)
-                key = (sender, msg.fetch_id)
-                if isinstance(msg, PeerLookup):
-                    tasks.create_task(self.serve_lookup(identity, key, msg))
+                if isinstance(msg, PeerRelease):  # the router checks the id
+                    await self.to_router.send(PdHoldRelease(msg.hold_id))
+                elif isinstance(msg, PeerLookup):
+                    tasks.create_task(self._guarded(self.serve_lookup(identity, (sender, msg.fetch_id), msg)))
                 elif isinstance(msg, PeerPull):
-                    tasks.create_task(self.serve_pull(identity, key, msg))
+                    tasks.create_task(self._guarded(self.serve_pull(identity, (sender, msg.fetch_id), msg)))
                 else:
-                    self.unpin(key)
+                    self.unpin((sender, msg.fetch_id))
                 self.changed.set()
+
+    async def _guarded(self, work) -> None:
+        """A peer's ask that fails here is logged and counted; it never takes the transporter down."""
+        try:
+            await work
+        except Exception:  # noqa: BLE001 (a bug or a value no check caught: the peer times out)
+            self.counters.malformed += 1
+            log.exception("serving a peer's ask failed")
 
     def _refuse_lookup(self, key: tuple[bytes, int], msg: PeerLookup) -> str | None:
         if msg.layout != self.layout.descriptor or msg.root != self.fingerprint:
@@ -294,9 +306,11 @@ class Transporter:
                 moved = await asyncio.wait_for(self._fetch(msg), self.timeout)
                 answer = PdFetched(msg.fetch_id, True, moved)
                 self.counters.fetches_ok += 1
-            except (TimeoutError, PeerError, TicketError) as exc:
+            except Exception as exc:  # noqa: BLE001 (whatever failed, the router hears why and nothing stays held)
                 reason = f"transfer from {msg.peer} timed out after {self.timeout:g} s" if isinstance(
                     exc, TimeoutError) else f"transfer from {msg.peer} failed: {exc}"
+                if not isinstance(exc, (TimeoutError, PeerError, TicketError)):
+                    log.exception("fetch %d failed unexpectedly", msg.fetch_id)
                 log.warning("fetch %d: %s", msg.fetch_id, reason)
                 answer = PdFetched(msg.fetch_id, False, [], reason)
                 self.counters.fetches_failed += 1
@@ -340,6 +354,15 @@ class Transporter:
                 self.to_cache.send_nowait(TierCommit(offload_id, False))
             link.fetches.pop(msg.fetch_id, None)
             await link.sealed.send(PeerDone(msg.fetch_id))
+
+    async def release(self, msg: PdRelease) -> None:
+        """Tell a prefill peer its device hold was copied (best effort: the peer's timeout covers a loss)."""
+        try:
+            link = self.link(check_peer_address(msg.peer))
+        except (PeerError, TicketError) as exc:
+            log.warning("hold %d at %s not released: %s", msg.hold_id, msg.peer, exc)
+            return
+        await link.sealed.send(PeerRelease(msg.hold_id))
 
     def _reserved_views(self, reserved: TierReserved, run: PeerRun) -> tuple[list[int], list[memoryview]]:
         """The run indices this tier reserved (it lacks them) and the shm views their bytes go into."""

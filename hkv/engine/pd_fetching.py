@@ -14,19 +14,33 @@ request with the transporter's reason; pages that came over count as
 
 Prefill instance: a request sent `for_peer` answers only once its copies
 out to the CPU tier settled, so the decode side's pull finds every page.
+
+On one GPU (CUDA) a prefill instance also holds the prompt's device pages
+and checkpoint (at the prompt's last page boundary) and names them in its
+answer (`PeerHold`); a decode instance on the same GPU copies them device
+to device in the plan that admits the request (a `PeerCopy` op), then has
+the hold released through the transporters. Holds nobody releases expire
+after `--pd-timeout`.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import time
 from typing import TYPE_CHECKING
 
-from hkv.ipc.messages import PdFetch, PdFetched, TokenDelta
+import msgspec
+
+from hkv.cache.transaction import Hold
+from hkv.cache.types import PeerCopy
+from hkv.ipc.messages import GenerateRequest, PdFetch, PdFetched, PdRelease, PeerHold, TokenDelta
 
 if TYPE_CHECKING:
     from hkv.engine.scheduler import Sequence
 
 _fetch_ids = itertools.count(1)
+MAX_PEER_HOLDS = 256  # prefill mode: device prefixes held for decode peers at once; past it none is offered
 
 
 class PdFetching:
@@ -38,6 +52,13 @@ class PdFetching:
         self._for_peer: set[int] = set()  # prefill mode: requests whose finish waits for their copies out
         self._held: dict[int, TokenDelta] = {}  # ... their finish deltas, until then
         self.pd_malformed = 0  # PdFetched for no fetch, or naming pages outside it
+        self.peer_holds_enabled = False  # prefill mode on CUDA: hold prompts' device pages for decode peers
+        self.peer_gpu = ""  # decode mode on CUDA: the GPU whose prefill peers' pages the rank can map
+        self.pd_timeout_s = 30.0  # --pd-timeout: a peer's device hold lasts at least this long
+        self._peer_holds: dict[int, tuple[Hold, float]] = {}  # hold id -> (hold, taken at)
+        self._hold_of: dict[int, Hold] = {}  # for_peer req id -> its hold, until its finish delta names it
+        self._release_next: list[PdRelease] = []  # decode: peer holds to release after the next plan
+        self._releases_by_step: dict[int, list[PdRelease]] = {}
 
     def _start_fetch(self, seq: Sequence, peer: str) -> bool:
         """Ask for the prompt's pages past the device hit's reach; False when there is nothing to pull."""
@@ -92,7 +113,108 @@ class PdFetching:
             out.append(delta)
         for req_id in [r for r in self._held if not self.tiers.offloading.get(r)]:
             out.append(self._held.pop(req_id))
-        return out
+        return [self._with_peer_hold(d) if d.req_id in self._hold_of else d for d in out]
+
+    # -- device holds (prefill mode on CUDA)
+
+    def _hold_for_peer_device(self, seq: Sequence) -> None:
+        """At the prompt's last page boundary: hold its device pages and checkpoint for the decode peer."""
+        if (not self.peer_holds_enabled or seq.req_id not in self._for_peer or seq.req_id in self._hold_of
+                or len(self._peer_holds) >= MAX_PEER_HOLDS):
+            return
+        hold = self.coord.hold(seq.req_id)
+        if hold is None:
+            return
+        if self.limits.hybrid and hold.checkpoint is None:
+            self.coord.unhold(hold)
+            return
+        self._peer_holds[hold.hold_id] = (hold, time.monotonic())
+        self._hold_of[seq.req_id] = hold
+
+    def _with_peer_hold(self, delta: TokenDelta) -> TokenDelta:
+        hold = self._hold_of.pop(delta.req_id)
+        if delta.finish_reason not in ("stop", "length"):  # failed or aborted: nobody will copy it
+            self.release_peer_hold(hold.hold_id)
+            return delta
+        slot = hold.checkpoint.slot if hold.checkpoint is not None else None
+        return msgspec.structs.replace(delta, peer_hold=PeerHold(hold.hold_id, hold.length, list(hold.pages), slot))
+
+    def release_peer_hold(self, hold_id: int) -> None:
+        """A decode peer copied the hold (or gave up): its pages become evictable again."""
+        held = self._peer_holds.pop(hold_id, None)
+        if held is None:
+            self.pd_malformed += 1  # unknown, or released already (expired)
+            return
+        self.coord.unhold(held[0])
+
+    def expire_peer_holds(self, timeout_s: float) -> None:
+        """Holds older than the timeout go: their decode peer died or chose another path."""
+        if not self._peer_holds:
+            return
+        now = time.monotonic()
+        for hold_id in [h for h, (_, taken) in self._peer_holds.items() if now - taken > timeout_s]:
+            self.coord.unhold(self._peer_holds.pop(hold_id)[0])
+
+    # -- device copies (decode mode on CUDA)
+
+    def _peer_device_usable(self, seq: Sequence, req: GenerateRequest) -> bool:
+        """The request names a peer's held device pages on this GPU, of a shape this prompt can use."""
+        dev, P = req.peer_device, self.limits.page_size
+        if dev is None or req.peer is None:
+            return False
+        try:
+            same_gpu = bool(self.peer_gpu) and json.loads(dev.pools).get("uuid") == self.peer_gpu
+        except (ValueError, AttributeError):
+            same_gpu = False
+        fits = (dev.length > 0 and dev.length % P == 0 and len(dev.pages) == dev.length // P
+                and dev.length <= (len(seq.prompt_ids) - 1) // P * P and all(p >= 0 for p in dev.pages)
+                and (dev.slot is not None and dev.slot >= 0) == self.limits.hybrid)
+        if not (same_gpu and fits):
+            self.pd_outbox.append(PdRelease(req.peer, dev.hold_id))  # the CPU path instead
+            self.pd_malformed += not fits
+            return False
+        seq.peer_device, seq.peer = dev, req.peer
+        seq.peer_copy_by = time.monotonic() + self.pd_timeout_s / 2
+        return True
+
+    def _extend_from_peer(self, txn, seq: Sequence, start: int) -> tuple[int, tuple[int, ...]]:
+        """Grow the hit with the peer's held pages past `start`: (tokens, their fresh pages)."""
+        dev = seq.peer_device
+        if dev is not None and time.monotonic() > seq.peer_copy_by:  # the peer may let go of it any time now
+            self._drop_peer(seq)
+            return 0, ()
+        if dev is None or dev.length <= start or start % self.limits.page_size:
+            return 0, ()
+        return dev.length - start, txn.extend(dev.length - start)
+
+    def _peer_copy_ops(self, seq: Sequence, start: int, fresh: tuple[int, ...]) -> list[PeerCopy]:
+        """The admitting plan's copy from the peer (then its hold goes), or just the release."""
+        dev = seq.peer_device
+        if dev is None:
+            return []
+        seq.peer_device = None
+        release = PdRelease(seq.peer, dev.hold_id)
+        if not fresh:
+            self.pd_outbox.append(release)
+            return []
+        self._release_next.append(release)
+        P = self.limits.page_size
+        src = dev.pages[start // P : dev.length // P]
+        slot = seq.state_slot if self.limits.hybrid else None
+        return [PeerCopy(dev.pools, list(src), list(fresh), dev.slot, slot)]
+
+    def _drop_peer(self, seq: Sequence) -> None:
+        """A waiting request leaves: its peer's hold is not needed."""
+        if seq.peer_device is not None:
+            self.pd_outbox.append(PdRelease(seq.peer, seq.peer_device.hold_id))
+            seq.peer_device = None
+
+    def _peer_plan_built(self, step: int) -> None:
+        if self._release_next:
+            self._releases_by_step[step], self._release_next = self._release_next, []
+
+    def _peer_step_done(self, step: int) -> None:
+        self.pd_outbox.extend(self._releases_by_step.pop(step, ()))
 
     def _peer_tokens(self, seq: Sequence, first_page: int, loaded_pages: int) -> int:
         """Of the tier pages an admission loads, from `first_page` on, the tokens this request pulled from a peer."""

@@ -73,6 +73,8 @@ class Publishing:
                 self.coord.publish(seq.req_id, seq.all_ids(), end)
                 if prefill:
                     self._offload(seq)
+                if end >= len(seq.prompt_ids):
+                    self._hold_for_peer_device(seq)
             return
         if at_page:
             interval = self.limits.checkpoint_interval
@@ -83,6 +85,8 @@ class Publishing:
             tier_interval = self.limits.tier_checkpoint_interval  # the tiers keep fewer interior checkpoints
             if end == len(seq.prompt_ids) // ps * ps or (tier_interval and end % tier_interval == 0):
                 self._offload(seq)
+            if end == len(seq.prompt_ids) // ps * ps:
+                self._hold_for_peer_device(seq)  # prefill mode on CUDA (hkv/engine/pd_fetching.py)
 
     def _offload(self, seq: Sequence) -> None:
         """Copy the published prefix out to the CPU tier: prompt checkpoints and prefill

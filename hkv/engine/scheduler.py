@@ -42,7 +42,8 @@ from hkv.cache.errors import CapacityError
 from hkv.cache.types import CacheOp, CheckpointRef, LoadPages, LoadState
 from hkv.engine.tier_client import TierClient, TierHit
 from hkv.ipc.messages import (
-    Chunk, GenerateRequest, NewSequence, SamplingParams, StepPlan, StepResult, TierFound, TierReserved, TokenDelta,
+    Chunk, GenerateRequest, NewSequence, PeerDevice, SamplingParams, StepPlan, StepResult, TierFound, TierReserved,
+    TokenDelta,
 )  # fmt: skip
 from hkv.engine.pd_fetching import PdFetching
 from hkv.engine.publishing import Publishing
@@ -87,6 +88,9 @@ class Sequence:
     tier: TierHit | None = None  # the tier run its first admission may load, pinned by the worker
     proposals: list[int] = field(default_factory=list)  # the drafter's guesses after its last token (spec)
     peer_pages: frozenset[int] = frozenset()  # decode mode: prompt pages pulled from the prefill peer
+    peer: str | None = None  # decode mode: the prefill peer's transporter
+    peer_device: PeerDevice | None = None  # decode mode on its GPU: its held device pages, until admitted
+    peer_copy_by: float = 0.0  # ... copied only before this (monotonic): well inside the peer's hold timeout
 
     @property
     def total_len(self) -> int:
@@ -136,7 +140,8 @@ class Scheduler(Publishing, Speculating, PdFetching):
         seq = Sequence(req.req_id, list(req.prompt_ids), req.sampling)
         if req.for_peer:
             self._for_peer.add(req.req_id)
-        fetching = req.peer is not None and self._start_fetch(seq, req.peer)  # then the lookup: on_pd_fetched
+        fetching = (req.peer is not None and not self._peer_device_usable(seq, req)
+                    and self._start_fetch(seq, req.peer))  # then the lookup: on_pd_fetched
         if self.tiers is not None and not fetching:
             hit = self.coord.peek(seq.prompt_ids)
             seq.lookup_pending = self.tiers.lookup(seq.req_id, seq.keys, seq.prompt_ids, hit)
@@ -193,6 +198,7 @@ class Scheduler(Publishing, Speculating, PdFetching):
         paused record in the coordinator is released (it would otherwise stay forever)."""
         self.waiting.remove(seq)
         self._drop_tier(seq)
+        self._drop_peer(seq)
         if seq.req_id in self.coord.requests:
             self.coord.release(seq.req_id)
 
@@ -255,6 +261,7 @@ class Scheduler(Publishing, Speculating, PdFetching):
             self._unpublished[step] = plan
         if self.tiers is not None:
             self.tiers.plan_built(step)
+        self._peer_plan_built(step)
         return plan
 
     def _next_ready(self) -> Sequence | None:
@@ -347,7 +354,8 @@ class Scheduler(Publishing, Speculating, PdFetching):
         try:
             hit = txn.match(seq.all_ids())
             loaded, load_pages = self._extend_from_tier(txn, seq, hit.length)
-            start = hit.length + loaded
+            copied, copy_pages = self._extend_from_peer(txn, seq, hit.length + loaded)
+            start = hit.length + loaded + copied
             end, depths = self._chunk_end(seq, start, budget)
             txn.reserve(tokens=end - start, state_slots=1 if self.limits.hybrid else 0)
             # Leave a page per running sequence so admitting does not force preemption next step.
@@ -366,11 +374,14 @@ class Scheduler(Publishing, Speculating, PdFetching):
         if seq.cached_tokens is None:
             seq.cached_tokens = min(start, len(seq.prompt_ids))
             seq.cache_tiers = self._tier_counts(seq, hit.length, loaded)
+            seq.cache_tiers["peer"] += copied
         self.running[seq.req_id] = seq
         self.by_slot[seq.slot] = seq
         self._ops.extend(grant.ops)
         if loaded:
             self._ops.extend(self._load_ops(seq, load_pages))
+        self._ops.extend(self._peer_copy_ops(seq, hit.length + loaded, copy_pages))
+        if loaded or copied:
             if self.limits.hybrid:  # the loaded prefix becomes a device prefix, its checkpoint kept on the device
                 self._ops.extend(self.coord.publish(seq.req_id, seq.all_ids(), start, checkpoint=True).ops)
         if seq.tier is not None:  # loaded or not, the run is not needed after this plan
@@ -480,6 +491,7 @@ class Scheduler(Publishing, Speculating, PdFetching):
         deltas = self.take_finished()
         if self.tiers is not None:
             self.tiers.step_done(plan.step, result.error is None)
+        self._peer_step_done(plan.step)
         unpublished = self._unpublished.pop(plan.step, None)
         if result.error is not None:
             self._fail(sent, result.error, deltas, published=unpublished is None)

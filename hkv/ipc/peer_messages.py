@@ -54,5 +54,9 @@ class PeerDone(msgspec.Struct, frozen=True, tag="done"):
     fetch_id: int  # the decode side is done with the run (committed or rolled back): unpin it
 
 
-PeerAsk = PeerLookup | PeerPull | PeerDone
+class PeerRelease(msgspec.Struct, frozen=True, tag="release"):
+    hold_id: int  # the prefill router's device hold the decode side copied from (or gave up on)
+
+
+PeerAsk = PeerLookup | PeerPull | PeerDone | PeerRelease
 PeerAnswer = PeerRun | PeerBytes
