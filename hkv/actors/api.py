@@ -256,7 +256,7 @@ class Api:
         self._admit(len(plans))
         bound = sum(p.sampling.max_tokens + 2 for p in plans)
         stream = self.link.open([(prompts[p.prompt_index], p.sampling) for p in plans], bound, route.peer,
-                                route.for_peer)
+                                route.for_peer, route.device if len(plans) == 1 else None)
         want_logprobs = options.logprobs is not None
         gen = Generation(plans, stream.req_ids, prompts, self.tokenizer, options.stop, want_logprobs, arrived)
         self._enter()
@@ -264,7 +264,7 @@ class Api:
             if options.stream:
                 return await self._stream(request, gen, stream, fmt)
             response = await self._collect(gen, stream, fmt)
-            return self.pd.answer_for_peer(response) if route.for_peer else response
+            return self.pd.answer_for_peer(response, gen.peer_holds) if route.for_peer else response
         finally:
             self.link.close(stream)
             self.metrics.observe_generation(gen)
@@ -273,6 +273,8 @@ class Api:
     def _apply(self, gen: Generation, stream: RequestStream, deltas: list) -> list[ChoiceUpdate]:
         updates = []
         for delta in deltas:
+            if delta.peer_hold is not None:  # prefill mode: named in the answer (hkv/openai/pd_route.py)
+                gen.peer_holds.append(delta.peer_hold)
             update = gen.apply(delta)
             if update is None:
                 continue

@@ -226,10 +226,11 @@ class PdMaster:
             body = await self._read_json(request)
             prefill_url, decode_url = next(self._next_prefill), next(self._next_decode)
             peer = await self._transporter(prefill_url)  # checks the instance's mode once
-            # its answer names the transporter too: current even when it restarted since (on another port)
-            peer = await self._prefill(request, prefill_url, body) or peer
-            self._transporters[prefill_url] = peer
-            outcome, response = await self._decode(request, decode_url, body, peer)
+            # its answer names the transporter too (current even when it restarted since, on another port)
+            # and, on CUDA, the device pages it holds for a decode instance on its GPU
+            named, device = await self._prefill(request, prefill_url, body)
+            peer = self._transporters[prefill_url] = named or peer
+            outcome, response = await self._decode(request, decode_url, body, peer, device)
         except _Answered as answered:
             outcome, response = answered.outcome, answered.response
         except asyncio.CancelledError:
@@ -310,9 +311,9 @@ class PdMaster:
         self._transporters[url] = address
         return address
 
-    async def _prefill(self, request: web.Request, url: str, body: dict[str, Any]) -> str | None:
+    async def _prefill(self, request: web.Request, url: str, body: dict[str, Any]) -> tuple[str | None, Any]:
         """Have the prefill instance compute the prompt; once it answered 2xx, the transporter address its
-        answer names (`hkv_pd.transporter`), None when it names none."""
+        answer names (`hkv_pd.transporter`, None when it names none) and its device hold (`hkv_pd.device`)."""
         payload = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
         payload.update(max_tokens=1, stream=False, hkv_pd={"prefill": True})
         try:
@@ -326,16 +327,16 @@ class PdMaster:
         if upstream.status >= 400:
             raise _Answered("client_error", _relay(upstream, content))
         try:
-            address = msgspec.json.decode(content)["hkv_pd"]["transporter"]
-            return check_peer_address(address)
-        except (msgspec.DecodeError, KeyError, TypeError, TicketError):
-            return None
+            named = msgspec.json.decode(content)["hkv_pd"]
+            return check_peer_address(named["transporter"]), named.get("device")
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError, TicketError):
+            return None, None
 
     async def _decode(
-        self, request: web.Request, url: str, body: dict[str, Any], peer: str
+        self, request: web.Request, url: str, body: dict[str, Any], peer: str, device: Any = None
     ) -> tuple[str, web.StreamResponse]:
         """Have the decode instance pull the prompt from `peer` and generate; its answer goes to the client."""
-        payload = {**body, "hkv_pd": make_ticket(self._secret, peer)}
+        payload = {**body, "hkv_pd": make_ticket(self._secret, peer, device=device)}
         try:
             async with self.session.post(url + request.path, data=msgspec.json.encode(payload),
                                          headers=self._headers(request), timeout=DECODE_TIMEOUT) as upstream:

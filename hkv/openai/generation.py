@@ -126,6 +126,7 @@ class Generation:
         self.started_at = started_at  # monotonic seconds when the HTTP request arrived
         self.prompt_lens = [len(p) for p in prompts]
         self.choices: list[ChoiceState] = []
+        self.peer_holds: list = []  # prefill mode: the device holds its sequences' finishes named (PeerHold)
         self._by_req: dict[int, ChoiceState] = {}
         for plan, req_id in zip(plans, req_ids):
             choice = ChoiceState(

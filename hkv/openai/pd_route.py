@@ -16,10 +16,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from hkv.ipc.pd_ticket import TicketError, check_ticket
+from hkv.ipc.messages import PeerDevice
+from hkv.ipc.pd_ticket import TicketError, check_ticket_device
 from hkv.openai.protocol import ProtocolError
 
 ADDRESS_FILE = "transporter.json"  # written by the transporter into the run directory (hkv/actors/transporter.py)
+POOLS_FILE = "device_pools.json"  # written by a CUDA rank (hkv/storage/ipc_pools.py, which imports torch)
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class PdRoute:
 
     peer: str | None = None  # decode: the prefill transporter to pull from
     for_peer: bool = False  # prefill: compute the prompt for a decode instance
+    device: PeerDevice | None = None  # decode on the prefill's GPU: its held device pages
 
 
 NO_ROUTE = PdRoute()
@@ -49,9 +52,10 @@ class PdFront:
             return PdRoute(for_peer=True)
         if self.mode == "decode" and self.secret is not None:
             try:
-                return PdRoute(peer=check_ticket(self.secret, field))
+                peer, device = check_ticket_device(self.secret, field)
             except TicketError as exc:
                 raise ProtocolError(400, f"hkv_pd: {exc}", "hkv_pd") from None
+            return PdRoute(peer=peer, device=_device(device))
         raise ProtocolError(400, f"hkv_pd is not accepted by a {self.mode} instance (docs/pd.md)", "hkv_pd")
 
     @staticmethod
@@ -60,15 +64,28 @@ class PdFront:
         then the one a hit needs (a hit leaves one prompt token to compute)."""
         return [p[:-1] if len(p) > 1 else p for p in prompts] if route.for_peer else prompts
 
-    def answer_for_peer(self, response: web.Response) -> web.Response:
+    def answer_for_peer(self, response: web.Response, holds: list) -> web.Response:
         """A prefill's answer also names this instance's transporter, so the master needs no lookup (and never
-        a stale one after a restart)."""
+        a stale one after a restart), and on CUDA the device pages it holds for one prompt (`device`)."""
         if response.status != 200 or response.body is None:
             return response
         doc = msgspec.json.decode(response.body)
         doc["hkv_pd"] = {"transporter": self.info()["transporter"]}
+        pools = self._pools()
+        if pools is not None and len(holds) == 1:  # one prompt: the ticket names one hold
+            hold = holds[0]
+            doc["hkv_pd"]["device"] = {"pools": pools, "hold": hold.hold_id, "length": hold.length,
+                                       "pages": hold.pages, "slot": hold.slot}
         response.body = msgspec.json.encode(doc)
         return response
+
+    def _pools(self) -> str | None:
+        """The rank's CUDA IPC pools document (hkv/storage/ipc_pools.py), None off CUDA."""
+        try:
+            with open(os.path.join(self.run_dir, POOLS_FILE), encoding="utf-8") as f:
+                return f.read()
+        except OSError:
+            return None
 
     def info(self) -> dict[str, Any]:
         address = None
@@ -79,3 +96,14 @@ class PdFront:
             except (OSError, ValueError):
                 address = None  # not bound yet
         return {"mode": self.mode, "transporter": address}
+
+
+def _device(doc: Any) -> PeerDevice | None:
+    """The signed device hold as a typed struct; one that does not fit the type is ignored (the CPU path)."""
+    if not isinstance(doc, dict):
+        return None
+    try:
+        return msgspec.convert({"pools": doc.get("pools"), "hold_id": doc.get("hold"), "length": doc.get("length"),
+                                "pages": doc.get("pages"), "slot": doc.get("slot")}, PeerDevice)
+    except msgspec.ValidationError:
+        return None
