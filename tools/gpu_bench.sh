@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the served numbers of issues 11, 12 and 13 (and the built-in model's training, issue 18) on the benchmark model
 # (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
-#   run: bash tools/gpu_bench.sh [parts: train,spec(-test,-bench,-tiny),launch,launch-only,i11,prefix,i12,i13,decode,sweep;
+#   run: bash tools/gpu_bench.sh [parts: train,spec(-test,-bench,-tiny),launch,launch-only,i11,prefix,i12,i13,pd-test,
+#        pd-bench,decode,sweep;
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
@@ -79,7 +80,7 @@ if wants launch || wants launch-only; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
 fi
-{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
+{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
 if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
@@ -175,6 +176,16 @@ if wants spec-tiny; then
     }
   done
   merge tiny
+fi
+if wants pd-test; then  # issue 15: prefill and decode on one GPU, device to device (CUDA IPC), fp32 parity
+  say "PD on one GPU: tests/e2e/test_cuda_pd.py"
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs -s --timeout=380 tests/e2e/test_cuda_pd.py \
+    2>&1 | grep -v "weights:" | tail -12 | tee -a "$LOG"
+fi
+if wants pd-bench; then  # issue 15: a 32k-token prompt's transfer against a device copy; TTFT against one instance
+  say "PD bench: tools/bench_pd.py on the benchmark model"
+  timeout 500 python3 -m tools.bench_pd --model "$MODEL" --prompt-tokens "${PD_TOKENS:-32768}" --rounds 2 \
+    --json "$OUT/pd.json" 2>&1 | tail -12 | tee -a "$LOG"
 fi
 if wants decode; then
   say "in-process decode step"

@@ -1,0 +1,176 @@
+"""Prefill/decode on one GPU: the transfer's bandwidth against a device copy, and TTFT against one instance.
+
+    python -m tools.bench_pd --model /tmp/bench_model [--prompt-tokens 32768] [--rounds 2] [--json out.json]
+
+Starts, with real hkv-launch processes on one GPU, a prefill, a decode and a
+pd-master instance, plus a normal instance; sends the same random prompts
+(`--prompt-tokens`, 8 tokens out, greedy) through the master and to the
+normal instance, one at a time (each prompt new to every instance), and
+reports:
+
+- transfer: the decode rank's `peer copy` log lines (pages plus the
+  checkpoint, CUDA-event timed) against `dst.copy_(src)` of the same number
+  of bytes between two buffers on the same GPU, timed here in this process;
+- TTFT through the master (prefill + transfer + the decode side's first
+  token) against the normal instance's, and whether the outputs agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+MEM = "0.25"  # --gpu-memory-fraction of each of the three model instances
+
+
+def _start(name: str, port: int, args: list[str], log_dir: Path) -> tuple[subprocess.Popen, Path]:
+    log = log_dir / f"{name}.err"
+    proc = subprocess.Popen([sys.executable, "-c", "from hkv.launcher import main; main()", "--port", str(port),
+                             "--name", name, *args], stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    return proc, log
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"instance on {port} exited:\n{log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"instance on {port} not ready after {timeout:.0f} s")
+
+
+def _complete(port: int, prompt: list[int]) -> tuple[float, dict]:
+    body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    sent, first, tokens, usage = time.perf_counter(), None, [], None
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise SystemExit(f"request failed: {event}")
+            for choice in event.get("choices", []):
+                if choice.get("token_ids"):
+                    first = first or time.perf_counter()
+                    tokens += choice["token_ids"]
+            usage = event.get("usage") or usage
+    return first - sent, {"token_ids": tokens, "usage": usage}
+
+
+def _copy_gbps(nbytes: int, reps: int = 20) -> float:
+    """dst.copy_(src) of `nbytes` on this GPU: the device-to-device ceiling."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = sorted(times)[len(times) // 2]
+    return nbytes / ms / 1e6
+
+
+def run(args) -> dict:
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_pd_"))
+    secret = log_dir / "pd.secret"
+    secret.write_bytes(os.urandom(32).hex().encode())
+    secret.chmod(0o600)
+    common = ["--model", args.model, "--device", "cuda", "--gpu-memory-fraction", MEM, "--max-running-requests", "8"]
+    pd_flags = ["--secret-file", str(secret), "--cpu-cache-gb", str(args.cpu_cache_gb)]
+    procs = {
+        "prefill": _start("bpd_p", 8201, [*common, *pd_flags, "--mode", "prefill"], log_dir),
+        "decode": _start("bpd_d", 8202, [*common, *pd_flags, "--mode", "decode"], log_dir),
+        "single": _start("bpd_n", 8203, common, log_dir),
+    }
+    try:
+        for name, port in (("prefill", 8201), ("decode", 8202), ("single", 8203)):
+            _wait_ready(port, *procs[name])
+        procs["master"] = _start("bpd_m", 8200, ["--mode", "pd-master", "--secret-file", str(secret),
+                                                 "--prefill-url", "http://127.0.0.1:8201",
+                                                 "--decode-url", "http://127.0.0.1:8202"], log_dir)
+        _wait_ready(8200, *procs["master"])
+        rng = random.Random(args.seed)
+        rounds = []
+        for r in range(args.rounds + 1):  # the first round warms both paths up (not reported)
+            prompt = [rng.randrange(3, args.vocab) for _ in range(args.prompt_tokens)]
+            ttft_pd, pd_out = _complete(8200, prompt)
+            ttft_one, one_out = _complete(8203, prompt)
+            rounds.append({"ttft_pd_s": ttft_pd, "ttft_single_s": ttft_one, "usage_pd": pd_out["usage"],
+                           "same_output": pd_out["token_ids"] == one_out["token_ids"]})
+            print(f"round {r}: TTFT through the master {ttft_pd * 1e3:.1f} ms, one instance {ttft_one * 1e3:.1f} "
+                  f"ms; peer tokens {(pd_out['usage'] or {}).get('cache', {}).get('peer')}; same output "
+                  f"{rounds[-1]['same_output']}", flush=True)
+        time.sleep(1.0)
+        copies = [(int(p), float(mib), float(ms)) for p, mib, ms in re.findall(
+            r"peer copy: (\d+) pages and their state, ([\d.]+) MiB in ([\d.]+) ms", procs["decode"][1].read_text())]
+    finally:
+        for proc, _ in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in procs.values():
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    if not copies:
+        raise SystemExit("the decode instance logged no peer copy (the device path was not taken)")
+    measured = sorted(copies[1:] or copies, key=lambda c: c[2])  # the first copy maps the peer's pools
+    pages, mib, ms = measured[len(measured) // 2]
+    nbytes = int(mib * 2**20)
+    peer_gbps, copy_gbps = nbytes / ms / 1e6, _copy_gbps(nbytes)
+    doc = {"prompt_tokens": args.prompt_tokens, "pages": pages, "bytes": nbytes, "peer_copy_ms": ms,
+           "peer_copy_gbps": peer_gbps, "device_copy_gbps": copy_gbps, "ratio": peer_gbps / copy_gbps,
+           "copies": copies, "rounds": rounds[1:]}
+    print(f"transfer of {args.prompt_tokens} tokens: {pages} pages + checkpoint, {mib:.1f} MiB in {ms:.3f} ms = "
+          f"{peer_gbps:.1f} GB/s; dst.copy_(src) of the same bytes {copy_gbps:.1f} GB/s; ratio {doc['ratio']:.2f}")
+    for key in ("ttft_pd_s", "ttft_single_s"):
+        doc[f"mean_{key}"] = sum(r[key] for r in rounds[1:]) / max(1, len(rounds) - 1)
+    print(f"mean TTFT: through the master {doc['mean_ttft_pd_s'] * 1e3:.1f} ms, one instance "
+          f"{doc['mean_ttft_single_s'] * 1e3:.1f} ms")
+    return doc
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="model folder (the benchmark model)")
+    p.add_argument("--prompt-tokens", type=int, default=32768, help="tokens per prompt (default: 32768)")
+    p.add_argument("--rounds", type=int, default=2, help="measured prompts after one warm-up (default: 2)")
+    p.add_argument("--vocab", type=int, default=151936, help="prompt ids are drawn from [3, vocab) (default: 151936)")
+    p.add_argument("--cpu-cache-gb", type=float, default=2.0, help="CPU tier of the PD pair (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
+    p.add_argument("--json", default=None, help="write the results here (default: none)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    doc = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
