@@ -177,6 +177,10 @@ def openapi_document(cfg: HkvConfig, limits: ModelLimits) -> dict[str, Any]:
                        _probe("Ready", "not ready, draining, or no progress with work pending")),
         "/metrics": _get("Prometheus metrics (hkv_*)", text, *(("401",) if metrics else ()), security=metrics),
         "/openapi.json": _get("This description", _ok("OpenAPI 3.0", {"type": "object"})),
+        "/pd/info": _get("Prefill/decode: this instance's mode and transporter address (docs/pd.md)",
+                         _ok("mode and transporter", {"type": "object", "properties": {
+                             "mode": {"type": "string", "enum": ["normal", "prefill", "decode", "pd-master"]},
+                             "transporter": {"type": "string", "nullable": True}}})),
         "/cache/flush": {"post": {"summary": "Drop unreferenced cache entries on every tier (admin)",
                                   "security": admin,
                                   "responses": {**_ok("what was freed", _ref("CacheFlushed")),
