@@ -113,7 +113,8 @@ class PdFetching:
             out.append(delta)
         for req_id in [r for r in self._held if not self.tiers.offloading.get(r)]:
             out.append(self._held.pop(req_id))
-        return [self._with_peer_hold(d) if d.req_id in self._hold_of else d for d in out]
+        return [self._with_peer_hold(d) if d.finish_reason is not None and d.req_id in self._hold_of else d
+                for d in out]
 
     # -- device holds (prefill mode on CUDA)
 
@@ -133,9 +134,13 @@ class PdFetching:
 
     def _with_peer_hold(self, delta: TokenDelta) -> TokenDelta:
         hold = self._hold_of.pop(delta.req_id)
+        if hold.hold_id not in self._peer_holds:  # expired while the request ran: its pages may be reused
+            return delta
         if delta.finish_reason not in ("stop", "length"):  # failed or aborted: nobody will copy it
             self.release_peer_hold(hold.hold_id)
             return delta
+        # the timeout counts from the answer that names the hold: the decode side copies within half of it
+        self._peer_holds[hold.hold_id] = (hold, time.monotonic())
         slot = hold.checkpoint.slot if hold.checkpoint is not None else None
         return msgspec.structs.replace(delta, peer_hold=PeerHold(hold.hold_id, hold.length, list(hold.pages), slot))
 
