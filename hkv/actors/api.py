@@ -46,7 +46,7 @@ from hkv.ipc.messages import Inbound, Outbound
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.models.tokenizer import Tokenizer, TokenizerError
 from hkv.openai.generation import ChoiceUpdate, Generation
-from hkv.openai.http_limits import BoundedSite
+from hkv.openai.http_limits import BoundedSite, InFlight
 from hkv.openai.metrics import ApiMetrics
 from hkv.openai.openapi import openapi_document
 from hkv.openai.pd_route import NO_ROUTE, PdFront, PdRoute
@@ -111,9 +111,7 @@ class Api:
         self.metrics = metrics
         self.openapi = msgspec.json.encode(openapi_document(cfg, limits))
         self.draining = False
-        self._active = 0  # generation handlers running
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.in_flight = InFlight()  # generation handlers running
         self._seeds = random.Random()  # seeds for requests that bring none
         self._started = int(time.time())
         secret = load_secret(cfg.server.secret_file) if cfg.server.mode == "decode" else None
@@ -259,7 +257,7 @@ class Api:
                                 route.for_peer, route.device if len(plans) == 1 else None)
         want_logprobs = options.logprobs is not None
         gen = Generation(plans, stream.req_ids, prompts, self.tokenizer, options.stop, want_logprobs, arrived)
-        self._enter()
+        self.in_flight.enter()
         try:
             if options.stream:
                 return await self._stream(request, gen, stream, fmt)
@@ -268,7 +266,7 @@ class Api:
         finally:
             self.link.close(stream)
             self.metrics.observe_generation(gen)
-            self._leave()
+            self.in_flight.leave()
 
     def _apply(self, gen: Generation, stream: RequestStream, deltas: list) -> list[ChoiceUpdate]:
         updates = []
@@ -345,7 +343,7 @@ class Api:
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         self.metrics.observe_engine(self.link.state)
-        self.metrics.in_flight.set(self._active)
+        self.metrics.in_flight.set(self.in_flight.count)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def cache_flush(self, request: web.Request) -> web.Response:
@@ -358,37 +356,23 @@ class Api:
         return _json({"flushed": True, "pages": done.pages, "checkpoints": done.checkpoints,
                       "cpu_pages": done.cpu_pages, "disk_files": done.disk_files})
 
-    def _enter(self) -> None:
-        self._active += 1
-        self._idle.clear()
-
-    def _leave(self) -> None:
-        self._active -= 1
-        if self._active == 0:
-            self._idle.set()
-
     async def drain(self, timeout: float) -> None:
         """Refuse new work, let in-flight requests finish, abort what is left after `timeout`."""
         self.draining = True
-        log.info("draining: %d requests in flight", self._active)
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+        log.info("draining: %d requests in flight", self.in_flight.count)
+        if await self.in_flight.wait_idle(timeout):
             return
-        except TimeoutError:
-            log.warning("drain timed out after %.1fs; aborting %d requests", timeout, self._active)
+        log.warning("drain timed out after %.1fs; aborting %d requests", timeout, self.in_flight.count)
         self.link.fail_all("the server is shutting down", "abort")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
+        await self.in_flight.wait_idle(ABORT_GRACE_S)
 
     async def abandon(self, reason: str) -> None:
         """The engine is gone: end every stream with an error event, answer every waiting request 503."""
         self.draining = True
-        if self._active:
-            log.warning("%s: failing %d requests in flight", reason, self._active)
+        if self.in_flight.count:
+            log.warning("%s: failing %d requests in flight", reason, self.in_flight.count)
         self.link.fail_all(f"the engine is gone: {reason}", "error")
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(ABANDON_GRACE_S):
-                await self._idle.wait()
+        await self.in_flight.wait_idle(ABANDON_GRACE_S)
 
 
 FLUSH_TIMEOUT_S = 30.0

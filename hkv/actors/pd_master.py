@@ -36,7 +36,7 @@ from hkv.config import HkvConfig, KeyHash
 from hkv.ipc.auth import load_secret
 from hkv.ipc.pd_ticket import TicketError, check_peer_address, make_ticket
 from hkv.ipc.process import ActorContext, run_actor
-from hkv.openai.http_limits import BoundedSite
+from hkv.openai.http_limits import BoundedSite, InFlight
 
 log = logging.getLogger("hkv.pd_master")
 
@@ -172,9 +172,7 @@ class PdMaster:
         self._next_prefill = itertools.cycle(self.prefill_urls)
         self._next_decode = itertools.cycle(self.decode_urls)
         self._transporters: dict[str, str] = {}  # prefill url -> its transporter's tcp:// address
-        self._active = 0  # generation handlers running
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.in_flight = InFlight()  # generation handlers running
 
     def build_app(self) -> web.Application:
         # aiohttp refuses a body of client_max_size bytes or more: +1 admits exactly max_body_bytes
@@ -221,7 +219,7 @@ class PdMaster:
         """POST /v1/completions and /v1/chat/completions: prefill on one instance, decode on another."""
         if self.draining:
             return _error(503, "the server is shutting down", "server_error", "draining")
-        self._enter()
+        self.in_flight.enter()
         try:
             body = await self._read_json(request)
             prefill_url, decode_url = next(self._next_prefill), next(self._next_decode)
@@ -237,7 +235,7 @@ class PdMaster:
             self.metrics.requests.labels("aborted").inc()  # the client went away
             raise
         finally:
-            self._leave()
+            self.in_flight.leave()
         self.metrics.requests.labels(outcome).inc()
         return response
 
@@ -414,23 +412,12 @@ class PdMaster:
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def _enter(self) -> None:
-        self._active += 1
-        self._idle.clear()
-
-    def _leave(self) -> None:
-        self._active -= 1
-        if self._active == 0:
-            self._idle.set()
-
     async def drain(self, timeout: float) -> None:
         """Refuse new requests and wait up to `timeout` for those in flight (closing the server cancels the rest)."""
         self.draining = True
-        log.info("draining: %d requests in flight", self._active)
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            log.warning("drain timed out after %.1fs; cancelling %d requests", timeout, self._active)
+        log.info("draining: %d requests in flight", self.in_flight.count)
+        if not await self.in_flight.wait_idle(timeout):
+            log.warning("drain timed out after %.1fs; cancelling %d requests", timeout, self.in_flight.count)
 
 
 async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> str | None:

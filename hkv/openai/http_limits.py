@@ -70,3 +70,30 @@ class BoundedSite(web.BaseSite):
 
     def _settle(self) -> None:
         self._fresh = 0
+
+
+class InFlight:
+    """Generation handlers running, and a bounded wait for none (draining): the api's and the pd master's."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once none runs, False when `timeout` seconds pass first."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
