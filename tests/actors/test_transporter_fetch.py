@@ -125,13 +125,19 @@ async def test_a_state_reserved_for_a_run_without_one_is_rolled_back():
     assert t.to_cache.sent[1:] == [TierCommit(1000, False)]
 
 
-async def test_a_bad_stream_rolls_the_reservation_back():
+async def pulling() -> tuple:
+    """A fetch past its reservation (pages 1 and 2 of a 3-page run, and the state), waiting for bytes."""
     t = make_transporter()
     fetch = Fetch(t)
     queue = await fetch.started()
     queue.put_nowait(PeerRun(21, 3, True))
     await fetch.reserve(TierReserved(1000, [None, 2, 5], 7))
     await until(lambda: len(fetch.wire.sent) == 2)
+    return t, fetch, queue
+
+
+async def test_a_bad_stream_rolls_the_reservation_back():
+    t, fetch, queue = await pulling()
     queue.put_nowait(PeerBytes(21, 0, pattern(1, PAGE), False))
     queue.put_nowait(PeerBytes(21, PAGE + 1, b"skipped a byte", False))
     with pytest.raises(PeerError, match="bytes at 65"):
@@ -141,12 +147,7 @@ async def test_a_bad_stream_rolls_the_reservation_back():
 
 
 async def test_a_fetch_cancelled_mid_stream_rolls_back_and_says_done():
-    t = make_transporter()
-    fetch = Fetch(t)
-    queue = await fetch.started()
-    queue.put_nowait(PeerRun(21, 3, True))
-    await fetch.reserve(TierReserved(1000, [None, 2, 5], 7))
-    await until(lambda: len(fetch.wire.sent) == 2)
+    t, fetch, queue = await pulling()
     queue.put_nowait(PeerBytes(21, 0, pattern(1, 10), False))
     await asyncio.sleep(0)
     fetch.task.cancel()  # what wait_for does on --pd-timeout

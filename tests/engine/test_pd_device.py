@@ -8,22 +8,15 @@ import json
 
 import pytest
 
-from hkv.cache.coordinator import CacheCoordinator
-from hkv.cache.types import CacheSpec, LoadPages, LoadState, PeerCopy, SaveCheckpoint
+from hkv.cache.types import LoadPages, LoadState, PeerCopy, SaveCheckpoint
 from hkv.engine import pd_fetching
-from hkv.engine.scheduler import Scheduler, SchedulerLimits
-from hkv.engine.tier_client import TierClient
+from hkv.engine.scheduler import Scheduler
 from hkv.ipc.messages import (
     GenerateRequest, PdFetch, PdRelease, PeerDevice, Sampled, SamplingParams, StepResult, TierFound, TierLookup,
     TierReserve, TierReserved, TokenDelta,
 )  # fmt: skip
-from hkv.ipc.request_table import RequestTable, TableLayout
+from tests.engine.test_pd_fetching import P, PAGES, PEER, STATES, make  # the same scheduler
 
-EOS = 99
-ROOT = bytes(16)
-P = 16  # page size
-PEER = "tcp://127.0.0.1:5"
-PAGES, STATES = 64, 16
 GPU = "GPU-8f0c2a11-0000-4000-8000-000000000001"
 POOLS = json.dumps({"version": 1, "uuid": GPU, "kv": {"handle": "00"}})
 HOLD = 7  # the prefill router's hold id, as the ticket names it
@@ -44,15 +37,6 @@ def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
     monkeypatch.setattr(pd_fetching, "time", fake)
     return fake
-
-
-def make(hybrid: bool = True) -> Scheduler:
-    """A scheduler with CPU/disk tiers: 64 device pages of 16 tokens, 16 state slots (hybrid), interval 64."""
-    layout = TableLayout(slots=4, max_pages=64)
-    table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-    limits = SchedulerLimits(P, 4, 512, 1024, frozenset({EOS}), hybrid, 64 if hybrid else None, 64)
-    coord = CacheCoordinator(CacheSpec(P, PAGES, STATES if hybrid else 0, 0, hybrid, 64 if hybrid else None, True))
-    return Scheduler(limits, coord, table, TierClient(coord, ROOT, P, hybrid, 64, 16))
 
 
 def prefill_side(hybrid: bool = True) -> Scheduler:
