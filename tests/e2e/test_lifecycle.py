@@ -98,7 +98,8 @@ def test_kill_9_of_the_launcher_takes_the_actors_down(tmp_path):
     "args, fragment",
     [
         (["--tp", "2"], "not implemented yet: --tp"),
-        (["--secret-file", "/nonexistent"], "not implemented yet: --secret-file"),
+        (["--secret-file", "/nonexistent"], "--secret-file: secret file '/nonexistent' cannot be opened"),
+        (["--mode", "decode", "--cpu-cache-gb", "1"], "--mode decode needs --secret-file"),
         (["--spec-tokens", "2", "--draft-window", "1"], "--draft-window 1: must be 0 (full length) or at least"),
         (["--page-size", "0"], "--page-size"),
         (["--max-total-tokens", "100", "--page-size", "16"], "multiple of --page-size"),
