@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import urllib.request
 
 import pytest
 import torch
 
-from tests.e2e.harness import assert_clean, launch
+from tests.e2e.harness import launch
 from tests.e2e.test_cuda_launch import _serve, _teacher_forced, checkpoint, launch_command  # noqa: F401 (fixtures)
-from tests.e2e.test_pd import _launch_all
+from tests.e2e.test_pd import _launch_all, stop_all
 from tests.reference import MARGIN
 
 pytestmark = [
@@ -51,10 +50,7 @@ def pd(checkpoint, tmp_path_factory, launch_command):  # noqa: F811 (pytest fixt
     servers = [master, prefill, decode]
     pids = [p for s in servers for p in s.actor_pids()]
     yield prefill, decode, master
-    for server in servers:
-        assert server.stop(signal.SIGTERM) == 0, server.log()
-    for server in servers:
-        assert_clean(server, pids)
+    stop_all(servers, pids)
 
 
 def _received_pages(url: str) -> float:

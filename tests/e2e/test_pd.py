@@ -102,10 +102,21 @@ class Pd:
         return [self.master, self.prefill, self.decode]
 
     def stop(self) -> None:
-        for server in self.servers():
-            assert server.stop(signal.SIGTERM) == 0, server.log()
-        for server in self.servers():
-            assert_clean(server, self.pids)
+        stop_all(self.servers(), self.pids)
+
+
+def stop_all(servers, pids: list[int]) -> None:
+    """SIGTERM every server (a failing one does not leave the others running), then check each exited 0 and clean."""
+    codes = []
+    for server in servers:
+        try:
+            codes.append((server, server.stop(signal.SIGTERM)))
+        except AssertionError as exc:  # it did not exit in time (and was killed): still stop the rest
+            codes.append((server, exc))
+    for server, code in codes:
+        assert code == 0, f"{code}\n{server.log()}"
+    for server in servers:
+        assert_clean(server, pids)
 
 
 async def _post_all(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
@@ -133,9 +144,16 @@ def _metric(url: str, name: str, labels: str = "") -> float:
 
 
 def _settled_metric(url: str, name: str, labels: str = "") -> float:
-    """A transporter figure once its stats block caught up (written at most every 0.25 s)."""
-    time.sleep(0.6)
-    return _metric(url, name, labels)
+    """A transporter figure once its stats block caught up (written within 0.25 s of a change): two reads
+    0.5 s apart that agree, for at most 15 s (a loaded CI machine may lag)."""
+    value, deadline = _metric(url, name, labels), time.monotonic() + 15
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = _metric(url, name, labels)
+        if again == value:
+            return value
+        value = again
+    return value
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
