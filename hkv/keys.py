@@ -28,6 +28,11 @@ class KeyHash:
         """Constant-time comparison of `token`'s digest with the key's."""
         return hmac.compare_digest(_key_digest(bytes.fromhex(self.salt), token), bytes.fromhex(self.digest))
 
+    def admits(self, authorization: str) -> bool:
+        """An `Authorization` header value of `Bearer <this key>` (the api's and the pd master's check)."""
+        scheme, _, token = authorization.partition(" ")
+        return scheme.lower() == "bearer" and self.matches(token.strip())
+
 
 def _key_digest(salt: bytes, key: str) -> bytes:
     return hashlib.sha256(salt + key.encode("utf-8", "surrogateescape")).digest()

@@ -168,11 +168,9 @@ class Api:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = self._required_key(request.path)
-        if key is not None:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not key.matches(token.strip()):
-                message = "Invalid or missing key for this route (send Authorization: Bearer <key>)."
-                raise ProtocolError(401, message, None, "invalid_api_key")
+        if key is not None and not key.admits(request.headers.get("Authorization", "")):
+            message = "Invalid or missing key for this route (send Authorization: Bearer <key>)."
+            raise ProtocolError(401, message, None, "invalid_api_key")
         return await handler(request)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -206,13 +206,11 @@ class PdMaster:
         key = self.api_key if request.path.startswith("/v1/") else None
         if request.path == "/metrics":
             key = self.metrics_key
-        if key is not None:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not key.matches(token.strip()):
-                if request.path in GENERATION_PATHS:
-                    self.metrics.requests.labels("client_error").inc()
-                message = "Invalid or missing key for this route (send Authorization: Bearer <key>)."
-                return _error(401, message, "invalid_request_error", "invalid_api_key")
+        if key is not None and not key.admits(request.headers.get("Authorization", "")):
+            if request.path in GENERATION_PATHS:
+                self.metrics.requests.labels("client_error").inc()
+            message = "Invalid or missing key for this route (send Authorization: Bearer <key>)."
+            return _error(401, message, "invalid_request_error", "invalid_api_key")
         return await handler(request)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

@@ -488,7 +488,7 @@ class Scheduler(Publishing, Speculating, PdFetching):
         moves the live states on.
         """
         sent = self._sent.pop(plan.step, {})
-        deltas = self.take_finished()
+        deltas, self._finished = self._finished, []  # held for a peer (or not) once, at the end
         if self.tiers is not None:
             self.tiers.step_done(plan.step, result.error is None)
         self._peer_step_done(plan.step)

@@ -43,6 +43,8 @@ class PdFront:
         self.mode = mode
         self.run_dir = run_dir
         self.secret = secret  # decode mode: the tickets' key
+        self._address: str | None = None  # the transporter's, once its file is there
+        self._pools_doc: str | None = None  # the rank's pools document, once its file is there
 
     def route(self, body: dict[str, Any]) -> PdRoute:
         field = body.get("hkv_pd")
@@ -80,22 +82,24 @@ class PdFront:
         return response
 
     def _pools(self) -> str | None:
-        """The rank's CUDA IPC pools document (hkv/storage/ipc_pools.py), None off CUDA."""
-        try:
-            with open(os.path.join(self.run_dir, POOLS_FILE), encoding="utf-8") as f:
-                return f.read()
-        except OSError:
-            return None
+        """The rank's CUDA IPC pools document (hkv/storage/ipc_pools.py), None off CUDA; read once it exists."""
+        if self._pools_doc is None:
+            try:
+                with open(os.path.join(self.run_dir, POOLS_FILE), encoding="utf-8") as f:
+                    self._pools_doc = f.read()
+            except OSError:
+                return None
+        return self._pools_doc
 
     def info(self) -> dict[str, Any]:
-        address = None
-        if self.mode in ("prefill", "decode"):
+        """GET /pd/info; the transporter's address is read from its file once it is there (it binds once)."""
+        if self._address is None and self.mode in ("prefill", "decode"):
             try:
                 with open(os.path.join(self.run_dir, ADDRESS_FILE), encoding="utf-8") as f:
-                    address = json.load(f).get("address")
+                    self._address = json.load(f).get("address")
             except (OSError, ValueError):
-                address = None  # not bound yet
-        return {"mode": self.mode, "transporter": address}
+                pass  # not bound yet
+        return {"mode": self.mode, "transporter": self._address}
 
 
 def _device(doc: Any) -> PeerDevice | None:
