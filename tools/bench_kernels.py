@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import warnings
 from collections.abc import Callable
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from hkv_kernels.cache_copy.runs import copy_runs
 from hkv_kernels.cache_copy.triton_cache_copy import copy_blocks
 from hkv_kernels.conv1d.triton_conv1d import causal_conv1d
 from hkv_kernels.gdn.fla_chunk import fla_available, gated_delta_rule_chunked
@@ -269,6 +271,29 @@ def bench_cache_copies() -> None:
     row("page_copy_d2d", shape, bench(lambda: copy_blocks(dev_pool, dev_pool, src, dst)), gbytes=2 * gbytes,
         base_name="index_select+index_copy_", base_ms=bench(base_d2d))
     del dev_pool, host_pool, host_flat, dev_flat
+    # a prefill/decode transfer: a 32k-token prompt's pages of the benchmark model (12 storage layers of
+    # 16 x 2 x 256 bf16), consecutive on both sides; one strided copy against one copy_blocks launch
+    n, layers = 2047, 12
+    peer_src = torch.randn(layers, 2 * n + 64, 16, 2, 256, device="cuda", dtype=torch.bfloat16)
+    peer_dst = torch.empty_like(peer_src)
+    runs = [(0, n + 64, n)]
+    s_idx, d_idx = torch.arange(0, n, device="cuda"), torch.arange(n + 64, 2 * n + 64, device="cuda")
+    gbytes = layers * n * 16 * 2 * 256 * 2 / GB
+    shape = f"{n} consecutive pages x {layers} layers x 16 KiB"
+    blocks_ms = bench(lambda: copy_blocks(peer_src, peer_dst, s_idx, d_idx))
+    row("peer_copy_blocks", shape, blocks_ms, gbytes=2 * gbytes)
+    row("peer_copy_runs", shape, bench(lambda: copy_runs(peer_src, peer_dst, runs)), gbytes=2 * gbytes,
+        base_name="copy_blocks", base_ms=blocks_ms)
+    for name, fn in (("copy_blocks", lambda: copy_blocks(peer_src, peer_dst, s_idx, d_idx)),
+                     ("copy_runs", lambda: copy_runs(peer_src, peer_dst, runs))):
+        host = []
+        for _ in range(20):  # the Python launch alone, the GPU idle before each (as an idle decode rank's is)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+        print(f"  host launch of {name}: median {sorted(host)[10] * 1e6:.0f} us", flush=True)
+    del peer_src, peer_dst
     recurrent = torch.randn(8, 96, 32, 128, 128, device="cuda")
     s_src, s_dst = torch.arange(0, 32, device="cuda"), torch.arange(64, 96, device="cuda")
     gbytes = 2 * 8 * 32 * 32 * 128 * 128 * 4 / GB

@@ -29,6 +29,7 @@ from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import Sampled, SamplingParams, StepPlan, StepResult
 from hkv.ipc.request_table import RequestTable
 from hkv.models.batch import ForwardBatch
+from hkv_kernels.cache_copy.runs import MAX_RUNS, copy_runs, page_runs
 from hkv_kernels.dispatch import copy_blocks  # imports no kernel until a CUDA tensor asks
 from hkv_kernels.gdn import GDN_CHUNK
 from hkv_kernels.meta import StepArena, attention_tile, checkpoint_arrays, checkpoint_meta, kernel_meta, meta_arrays
@@ -39,10 +40,11 @@ log = logging.getLogger("hkv.rank")
 
 def _log_peer_copies(timings: list) -> None:
     """A plan's peer copies ran (its result is in): how fast (tools/bench_pd.py reads these lines)."""
-    for start, pages_done, end, pages, nbytes in timings:
+    for start, pages_done, end, pages, runs, nbytes in timings:
         ms = start.elapsed_time(end)
-        log.info("peer copy: %d pages and their state, %.1f MiB in %.3f ms (%.1f GB/s; pages %.3f ms)", pages,
-                 nbytes / 2**20, ms, nbytes / ms / 1e6 if ms > 0 else 0.0, start.elapsed_time(pages_done))
+        log.info("peer copy: %d pages and their state, %.1f MiB in %.3f ms (%.1f GB/s; pages %.3f ms, %s)", pages,
+                 nbytes / 2**20, ms, nbytes / ms / 1e6 if ms > 0 else 0.0, start.elapsed_time(pages_done),
+                 f"{runs} run{'s' if runs != 1 else ''}" if runs <= MAX_RUNS else "copy_blocks")
 
 
 @dataclass
@@ -209,22 +211,28 @@ class ModelRunner:
         if op.src_slot is not None and not (0 <= op.src_slot < peer["conv"].shape[1]
                                             and 0 <= op.dst_slot < self.state.num_slots):
             raise IndexError("a peer copy names a state slot outside the pools")
-        idx = self._indexes(op.src_pages, op.dst_pages) if op.src_pages else None
-        # the copy's own device time: the events go around the copies, after the index upload was queued
+        kv = self.kv.layers_view()
+        runs = page_runs(op.src_pages, op.dst_pages)
+        # few runs (a fresh prompt's pages are consecutive on both sides): a strided copy each, a cheap launch;
+        # many: one copy_blocks launch, its index upload queued before the timed window
+        idx = self._indexes(op.src_pages, op.dst_pages) if len(runs) > MAX_RUNS else None
+        # the copy's own device time: the events go around the copies
         timing = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         timing[0].record()
         if idx is not None:
-            copy_blocks(peer["kv"], self.kv.layers_view(), idx[0], idx[1])
+            copy_blocks(peer["kv"], kv, idx[0], idx[1])
+        else:
+            copy_runs(peer["kv"], kv, runs)
         timing[1].record()
-        if op.src_slot is not None:  # one slot: a few large blocks, which a plain strided copy moves fastest
+        if op.src_slot is not None:  # one slot of each state tensor: one run each, launched while the pages copy
+            # (copy_blocks for the recurrent state measured slower in the served step: its Python launch)
             for src, dst in ((peer["conv"], self.state.conv), (peer["recurrent"], self.state.recurrent)):
-                dst[:, op.dst_slot].copy_(src[:, op.src_slot])
+                copy_runs(src, dst, [(op.src_slot, op.dst_slot, 1)])
         timing[2].record()
-        kv = self.kv.layers_view()
         nbytes = len(op.src_pages) * kv[:, 0].numel() * kv.element_size()
         if op.src_slot is not None:
             nbytes += sum(t[:, 0].numel() * t.element_size() for t in (self.state.conv, self.state.recurrent))
-        self._peer_timings.append((*timing, len(op.src_pages), nbytes))
+        self._peer_timings.append((*timing, len(op.src_pages), len(runs), nbytes))
 
 
     def _indexes(self, *lists: list[int]) -> torch.Tensor:
