@@ -13,6 +13,13 @@ reports:
   of bytes between two buffers on the same GPU, timed here in this process;
 - TTFT through the master (prefill + transfer + the decode side's first
   token) against the normal instance's, and whether the outputs agree.
+
+The copy baseline is measured twice: back to back (the GPU busy, the ceiling)
+and after the GPU idled 50 ms before each copy, as it does before an idle
+decode instance's transfer (a waking GPU and the launch run inside the timed
+window). `--loaded-rounds` then sends more prompts while `--background`
+streams keep the decode instance decoding, as a decode instance in service
+is: its copy is queued behind the step before it, like the back-to-back copy.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -77,14 +85,17 @@ def _complete(port: int, prompt: list[int]) -> tuple[float, dict]:
     return first - sent, {"token_ids": tokens, "usage": usage}
 
 
-def _copy_gbps(nbytes: int, reps: int = 20) -> float:
-    """dst.copy_(src) of `nbytes` on this GPU: the device-to-device ceiling."""
+def _copy_gbps(nbytes: int, reps: int = 20, idle_s: float = 0.0) -> float:
+    """dst.copy_(src) of `nbytes` on this GPU (median of `reps`), each after `idle_s` of an idle GPU."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
+        if idle_s:
+            torch.cuda.synchronize()
+            time.sleep(idle_s)
         start.record()
         dst.copy_(src)
         end.record()
@@ -92,6 +103,25 @@ def _copy_gbps(nbytes: int, reps: int = 20) -> float:
         times.append(start.elapsed_time(end))
     ms = sorted(times)[len(times) // 2]
     return nbytes / ms / 1e6
+
+
+def _background(port: int, stop: threading.Event, vocab: int, seed: int, tokens: int, done: list) -> None:
+    """Keep one decode stream running through the master until `stop` (short prompts, long outputs)."""
+    rng = random.Random(seed)
+    while not stop.is_set():
+        body = json.dumps({"prompt": [rng.randrange(3, vocab) for _ in range(64)], "max_tokens": tokens,
+                           "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                for _ in resp:
+                    if stop.is_set():
+                        break  # closing the stream aborts the request on both instances
+            done.append(1)
+        except OSError as exc:
+            done.append(f"{type(exc).__name__}: {exc}")
+            return
 
 
 def run(args) -> dict:
@@ -124,9 +154,30 @@ def run(args) -> dict:
             print(f"round {r}: TTFT through the master {ttft_pd * 1e3:.1f} ms, one instance {ttft_one * 1e3:.1f} "
                   f"ms; peer tokens {(pd_out['usage'] or {}).get('cache', {}).get('peer')}; same output "
                   f"{rounds[-1]['same_output']}", flush=True)
+        loaded = []
+        if args.loaded_rounds:
+            stop, done = threading.Event(), []
+            streams = [threading.Thread(target=_background, args=(8200, stop, args.vocab, 1000 + i, 512, done),
+                                        daemon=True) for i in range(args.background)]
+            for t in streams:
+                t.start()
+            time.sleep(3.0)  # every stream past its prefill and transfer, decoding
+            for r in range(args.loaded_rounds):
+                prompt = [rng.randrange(3, args.vocab) for _ in range(args.prompt_tokens)]
+                ttft, _ = _complete(8200, prompt)
+                loaded.append({"ttft_pd_s": ttft})
+                print(f"loaded round {r}: TTFT through the master {ttft * 1e3:.1f} ms beside {args.background} "
+                      f"decoding streams", flush=True)
+            stop.set()
+            for t in streams:
+                t.join(60)
+            errors = [d for d in done if d != 1]
+            if errors:
+                raise SystemExit(f"a background stream failed: {errors[0]}")
         time.sleep(1.0)
-        copies = [(int(p), float(mib), float(ms)) for p, mib, ms in re.findall(
-            r"peer copy: (\d+) pages and their state, ([\d.]+) MiB in ([\d.]+) ms", procs["decode"][1].read_text())]
+        found = re.findall(r"peer copy: (\d+) pages and their state, ([\d.]+) MiB in ([\d.]+) ms \([^;]*; pages "
+                           r"[\d.]+ ms, ([^)]*)\)", procs["decode"][1].read_text())
+        copies, how = [(int(p), float(mib), float(ms)) for p, mib, ms, _ in found], [h for *_, h in found]
     finally:
         for proc, _ in procs.values():
             proc.send_signal(signal.SIGTERM)
@@ -135,17 +186,37 @@ def run(args) -> dict:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    if not copies:
-        raise SystemExit("the decode instance logged no peer copy (the device path was not taken)")
-    measured = sorted(copies[1:] or copies, key=lambda c: c[2])  # the first copy maps the peer's pools
-    pages, mib, ms = measured[len(measured) // 2]
+    # the prompts' copies (the background streams' are a few pages), in the order sent
+    big = [c for c in copies if c[0] >= max(p for p, _, _ in copies or [(0, 0, 0)]) // 2 > 0]
+    if len(big) < 1 + args.rounds + len(loaded):
+        raise SystemExit(f"the decode instance logged {len(big)} prompt copies, not {1 + args.rounds + len(loaded)} "
+                         "(the device path was not taken)")
+    idle_copies, loaded_copies = big[1:1 + args.rounds], big[1 + args.rounds:]  # the first maps the peer's pools
+    pages, mib, _ = big[-1]
     nbytes = int(mib * 2**20)
-    peer_gbps, copy_gbps = nbytes / ms / 1e6, _copy_gbps(nbytes)
-    doc = {"prompt_tokens": args.prompt_tokens, "pages": pages, "bytes": nbytes, "peer_copy_ms": ms,
-           "peer_copy_gbps": peer_gbps, "device_copy_gbps": copy_gbps, "ratio": peer_gbps / copy_gbps,
-           "copies": copies, "rounds": rounds[1:]}
-    print(f"transfer of {args.prompt_tokens} tokens: {pages} pages + checkpoint, {mib:.1f} MiB in {ms:.3f} ms = "
-          f"{peer_gbps:.1f} GB/s; dst.copy_(src) of the same bytes {copy_gbps:.1f} GB/s; ratio {doc['ratio']:.2f}")
+    copy_gbps, idle_copy_gbps = _copy_gbps(nbytes), _copy_gbps(nbytes, reps=9, idle_s=0.05)
+
+    def median_ms(cs):
+        return sorted(c[2] for c in cs)[len(cs) // 2]
+
+    doc = {"prompt_tokens": args.prompt_tokens, "pages": pages, "bytes": nbytes, "device_copy_gbps": copy_gbps,
+           "device_copy_after_idle_gbps": idle_copy_gbps, "copies": copies, "copied_as": how, "rounds": rounds[1:],
+           "loaded_rounds": loaded, "background_streams": args.background if loaded else 0}
+    for tag, cs, base in (("idle", idle_copies, idle_copy_gbps), ("loaded", loaded_copies, copy_gbps)):
+        if not cs:
+            continue
+        ms = median_ms(cs)
+        doc[f"{tag}_peer_copy_ms"], doc[f"{tag}_peer_copy_gbps"] = ms, nbytes / ms / 1e6
+        doc[f"{tag}_ratio"] = doc[f"{tag}_peer_copy_gbps"] / base
+        doc[f"{tag}_ratio_to_back_to_back"] = doc[f"{tag}_peer_copy_gbps"] / copy_gbps
+    print(f"dst.copy_(src) of the same {mib:.1f} MiB: {copy_gbps:.1f} GB/s back to back, {idle_copy_gbps:.1f} GB/s "
+          "after 50 ms of an idle GPU")
+    print(f"transfer of {args.prompt_tokens} tokens ({pages} pages + checkpoint), idle decode instance: "
+          f"{doc['idle_peer_copy_ms']:.3f} ms = {doc['idle_peer_copy_gbps']:.1f} GB/s; ratio to the copy after idle "
+          f"{doc['idle_ratio']:.2f}, to the back-to-back copy {doc['idle_ratio_to_back_to_back']:.2f}")
+    if loaded_copies:
+        print(f"transfer beside {args.background} decoding streams: {doc['loaded_peer_copy_ms']:.3f} ms = "
+              f"{doc['loaded_peer_copy_gbps']:.1f} GB/s; ratio to the back-to-back copy {doc['loaded_ratio']:.2f}")
     for key in ("ttft_pd_s", "ttft_single_s"):
         doc[f"mean_{key}"] = sum(r[key] for r in rounds[1:]) / max(1, len(rounds) - 1)
     print(f"mean TTFT: through the master {doc['mean_ttft_pd_s'] * 1e3:.1f} ms, one instance "
@@ -158,6 +229,10 @@ def parse_args(argv=None):
     p.add_argument("--model", required=True, help="model folder (the benchmark model)")
     p.add_argument("--prompt-tokens", type=int, default=32768, help="tokens per prompt (default: 32768)")
     p.add_argument("--rounds", type=int, default=2, help="measured prompts after one warm-up (default: 2)")
+    p.add_argument("--loaded-rounds", type=int, default=2,
+                   help="prompts sent while --background streams decode (default: 2; 0: none)")
+    p.add_argument("--background", type=int, default=6,
+                   help="decoding streams through the master during the loaded rounds (default: 6; the instances run at most 8 requests)")
     p.add_argument("--vocab", type=int, default=151936, help="prompt ids are drawn from [3, vocab) (default: 151936)")
     p.add_argument("--cpu-cache-gb", type=float, default=2.0, help="CPU tier of the PD pair (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")

@@ -183,9 +183,13 @@ if wants pd-test; then  # issue 15: prefill and decode on one GPU, device to dev
     2>&1 | grep -v "weights:" | tail -12 | tee -a "$LOG"
 fi
 if wants pd-bench; then  # issue 15: a 32k-token prompt's transfer against a device copy; TTFT against one instance
+  say "page copies: kernel tests (runs and copy_blocks) and tools/bench_kernels.py --only copy"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=150 tests/kernels/test_copy_runs.py \
+    tests/kernels/test_cache_copy.py 2>&1 | tail -4 | tee -a "$LOG"
+  timeout 200 python3 -m tools.bench_kernels --only copy --json "$OUT/copy_kernels.json" 2>&1 | tail -12 | tee -a "$LOG"
   say "PD bench: tools/bench_pd.py on the benchmark model"
-  timeout 500 python3 -m tools.bench_pd --model "$MODEL" --prompt-tokens "${PD_TOKENS:-32768}" --rounds 2 \
-    --json "$OUT/pd.json" 2>&1 | tail -12 | tee -a "$LOG"
+  timeout 500 python3 -m tools.bench_pd --model "$MODEL" --prompt-tokens "${PD_TOKENS:-32768}" --rounds "${PD_ROUNDS:-2}" \
+    --json "$OUT/pd.json" 2>&1 | tail -14 | tee -a "$LOG"
 fi
 if wants decode; then
   say "in-process decode step"
