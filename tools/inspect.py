@@ -29,13 +29,13 @@ from hkv.ipc.shm import (
     sweep_orphans,
     validate_instance,
 )
-from hkv.ipc.tier_regions import TIER_STATS_REGION
+from hkv.ipc.tier_regions import PD_STATS_REGION, TIER_STATS_REGION
 from hkv.ipc.tier_regions import VERSION as TIER_VERSION
 
 
 # the layout version of every region this hkv-inspect decodes (the registry records the writer's)
 SPOKEN_VERSIONS = {stats.REGION: stats.VERSION, stats.RADIX_REGION: 1, request_table.REGION: request_table.VERSION,
-                   TIER_STATS_REGION: TIER_VERSION}
+                   TIER_STATS_REGION: TIER_VERSION, PD_STATS_REGION: 1}
 
 
 class InstanceNotFound(Exception):
@@ -45,7 +45,8 @@ class InstanceNotFound(Exception):
 def inspect_instance(name: str) -> dict[str, Any]:
     """Read a live instance's shared memory read-only and describe it (DESIGN.md section 6).
 
-    Returns {"instance", "pools", "radix", "tiers", "requests", "steps", "regions"}.
+    Returns {"instance", "pools", "radix", "tiers", "requests", "steps", "regions"}, and "pd" (the
+    transporter's figures) for a prefill or decode instance.
     Raises InstanceNotFound, or ShmError when a region is corrupt or mid-write.
     """
     try:
@@ -64,6 +65,8 @@ def inspect_instance(name: str) -> dict[str, Any]:
         _read_tiers(name, report)
     if request_table.REGION in entries:
         report["requests"] = _read_requests(name)
+    if PD_STATS_REGION in entries:
+        report["pd"] = _read_pd(name)
     return report
 
 
@@ -105,7 +108,8 @@ def _read_stats(name: str) -> dict[str, Any]:
         gpu.update(held_tokens=radix["cached_tokens"], reachable_tokens=reachable)
     tiers = {"gpu": gpu,
              "cpu": {"enabled": False, "cached_tokens_served": int(values["cached_tokens_cpu"])},
-             "disk": {"enabled": False, "cached_tokens_served": int(values["cached_tokens_disk"])}}
+             "disk": {"enabled": False, "cached_tokens_served": int(values["cached_tokens_disk"])},
+             "peer": {"cached_tokens_served": int(values["cached_tokens_peer"])}}
     return {"pools": pools, "radix": radix, "tiers": tiers, "steps": steps}
 
 
@@ -122,6 +126,14 @@ def _read_tiers(name: str, report: dict[str, Any]) -> None:
     tiers["cpu"].update({k: v for k, v in cpu.items() if k not in ("pages", "states")}, enabled=True)
     if isinstance(doc.get("disk"), dict):
         tiers["disk"].update(doc["disk"], enabled=True)
+
+
+def _read_pd(name: str) -> dict[str, Any]:
+    """The transporter's figures (docs/pd.md): address, mode, frames by outcome, runs held, fetches, pages,
+    bytes; empty until the transporter wrote its first block."""
+    with ShmRegion.attach(name, PD_STATS_REGION, readonly=True) as region:
+        doc = json_block.read(region.payload)
+    return doc if isinstance(doc, dict) else {}
 
 
 def _read_radix(name: str) -> dict[str, Any]:
@@ -176,6 +188,13 @@ def _print_instance(report: dict[str, Any], as_json: bool) -> None:
     for tier, info in report.get("tiers", {}).items():
         shown = {k: v for k, v in info.items() if not isinstance(v, dict)}
         print(f"  tier {tier:<8} " + " ".join(f"{k}={v}" for k, v in shown.items()))
+    if report.get("pd"):
+        pd = report["pd"]
+        frames = pd.get("frames", {})
+        print(f"  pd            mode={pd.get('mode')} address={pd.get('address')} runs_held={pd.get('runs_held')} "
+              f"links={pd.get('links')} frames " + " ".join(f"{k}={v}" for k, v in frames.items()))
+        counters = {k: v for k, v in pd.items() if k not in ("mode", "address", "runs_held", "links", "frames")}
+        print("                " + " ".join(f"{k}={v}" for k, v in counters.items()))
     for row in report.get("requests", []):
         print(f"  slot {row['slot']:<4} req {row['req_id']:<8} {row['phase']:<8} prompt={row['prompt_len']} "
               f"output={row['output_len']} kv={row['kv_len']} cached={row['cached_len']} pages={row['pages']}")

@@ -420,6 +420,7 @@ class Router:
                     "cached_tokens_gpu": tiers.get("gpu", 0),
                     "cached_tokens_cpu": tiers.get("cpu", 0),
                     "cached_tokens_disk": tiers.get("disk", 0),
+                    "cached_tokens_peer": tiers.get("peer", 0),
                 })
         if deltas:
             await self.to_api.send(TokenBatch(deltas))

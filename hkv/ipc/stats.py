@@ -13,7 +13,7 @@ import numpy as np
 from hkv.engine.validate import MAX_SPEC_TOKENS
 
 REGION = "router_stats"
-VERSION = 4
+VERSION = 5  # 5: cached_tokens_peer
 
 FIELDS = (
     "steps",  # steps run
@@ -40,6 +40,7 @@ FIELDS = (
     "cached_tokens_gpu",  # counter: ... of them from device pages
     "cached_tokens_cpu",  # counter: ... loaded from the CPU tier
     "cached_tokens_disk",  # counter: ... read from the disk tier
+    "cached_tokens_peer",  # counter: ... moved from a prefill instance (decode mode)
     "tier_offloads_skipped",  # counter: published prefixes not copied out (too many in flight)
     "flushes",  # counter: /cache/flush calls
     "page_size",  # constant: tokens per KV page

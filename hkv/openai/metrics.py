@@ -63,7 +63,7 @@ class _EngineStatsCollector:
             yield from _speculative(values)
         hits = CounterMetricFamily("hkv_cache_hit_tokens", "Prompt tokens served from the cache, by tier",
                                    labels=["tier"])
-        for tier in ("gpu", "cpu", "disk"):
+        for tier in ("gpu", "cpu", "disk", "peer"):
             hits.add_metric([tier], values[f"cached_tokens_{tier}"])
         yield hits
         for name, doc, key in (("hkv_radix_nodes", "Radix tree nodes", "radix_nodes"),

@@ -162,6 +162,8 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 def _parity_and_second_turn(pd: Pd, reference) -> None:
+    peer_label = '{tier="peer"}'
+    peer_before = _metric(pd.decode.url, "hkv_cache_hit_tokens_total", peer_label)
     prompts = _prompts(15, LENGTHS)
     answers = asyncio.run(_post_all(pd.master.url, [_body(p) for p in prompts]))
     for prompt, (status, answer) in zip(prompts, answers):
@@ -187,6 +189,12 @@ def _parity_and_second_turn(pd: Pd, reference) -> None:
     assert cache["gpu"] >= (len(first) + OUT) // PAGE * PAGE - 256, cache  # the first turn, from the device
     assert 0 < moved <= new_pages + 1, (moved, new_pages, cache)
     assert cache["peer"] == moved * PAGE, (moved, cache)
+    # the decode instance counts what came from the peer, in /metrics and hkv-inspect
+    served = sum(a["usage"]["cache"]["peer"] for _, a in answers) + one["usage"]["cache"]["peer"] + cache["peer"]
+    assert _metric(pd.decode.url, "hkv_cache_hit_tokens_total", peer_label) - peer_before == served
+    report = inspect_json(pd.decode.name)
+    assert report["pd"]["mode"] == "decode" and report["pd"]["pages_received"] >= moved, report["pd"]
+    assert report["pd"]["frames"]["accepted"] > 0 and report["tiers"]["peer"]["cached_tokens_served"] >= served
 
 
 @pytest.fixture(scope="module")
