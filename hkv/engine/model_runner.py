@@ -40,11 +40,12 @@ log = logging.getLogger("hkv.rank")
 
 def _log_peer_copies(timings: list) -> None:
     """A plan's peer copies ran (its result is in): how fast (tools/bench_pd.py reads these lines)."""
-    for start, pages_done, end, pages, runs, nbytes in timings:
+    for start, pages_done, end, pages, runs, nbytes, host_s in timings:
         ms = start.elapsed_time(end)
-        log.info("peer copy: %d pages and their state, %.1f MiB in %.3f ms (%.1f GB/s; pages %.3f ms, %s)", pages,
-                 nbytes / 2**20, ms, nbytes / ms / 1e6 if ms > 0 else 0.0, start.elapsed_time(pages_done),
-                 f"{runs} run{'s' if runs != 1 else ''}" if runs <= MAX_RUNS else "copy_blocks")
+        log.info("peer copy: %d pages and their state, %.1f MiB in %.3f ms (%.1f GB/s; pages %.3f ms, %s, "
+                 "launched in %.3f ms)", pages, nbytes / 2**20, ms, nbytes / ms / 1e6 if ms > 0 else 0.0,
+                 start.elapsed_time(pages_done),
+                 f"{runs} run{'s' if runs != 1 else ''}" if runs <= MAX_RUNS else "copy_blocks", host_s * 1e3)
 
 
 @dataclass
@@ -219,6 +220,7 @@ class ModelRunner:
         # the copy's own device time: the events go around the copies
         timing = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         timing[0].record()
+        launch_started = time.perf_counter()  # host time inside the window: the GPU may wait on it
         if idx is not None:
             copy_blocks(peer["kv"], kv, idx[0], idx[1])
         else:
@@ -229,10 +231,11 @@ class ModelRunner:
             for src, dst in ((peer["conv"], self.state.conv), (peer["recurrent"], self.state.recurrent)):
                 copy_runs(src, dst, [(op.src_slot, op.dst_slot, 1)])
         timing[2].record()
+        host_s = time.perf_counter() - launch_started
         nbytes = len(op.src_pages) * kv[:, 0].numel() * kv.element_size()
         if op.src_slot is not None:
             nbytes += sum(t[:, 0].numel() * t.element_size() for t in (self.state.conv, self.state.recurrent))
-        self._peer_timings.append((*timing, len(op.src_pages), len(runs), nbytes))
+        self._peer_timings.append((*timing, len(op.src_pages), len(runs), nbytes, host_s))
 
 
     def _indexes(self, *lists: list[int]) -> torch.Tensor:
