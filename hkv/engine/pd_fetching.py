@@ -56,6 +56,7 @@ class PdFetching:
         self.peer_gpu = ""  # decode mode on CUDA: the GPU whose prefill peers' pages the rank can map
         self.pd_timeout_s = 30.0  # --pd-timeout: a peer's device hold lasts at least this long
         self._peer_holds: dict[int, tuple[Hold, float]] = {}  # hold id -> (hold, taken at)
+        self._hold_wanted: set[int] = set()  # prefill mode: for_peer req ids that hold their device prefix
         self._hold_of: dict[int, Hold] = {}  # for_peer req id -> its hold, until its finish delta names it
         self._release_next: list[PdRelease] = []  # decode: peer holds to release after the next plan
         self._releases_by_step: dict[int, list[PdRelease]] = {}
@@ -99,6 +100,14 @@ class PdFetching:
         out, self.pd_outbox = self.pd_outbox, []
         return out
 
+    def _note_for_peer(self, req: GenerateRequest) -> None:
+        """Prefill mode: a request computed for a decode peer waits for its copies out to answer; a one-prompt
+        one (device_hold) also holds its device prefix for the peer to copy."""
+        if req.for_peer:
+            self._for_peer.add(req.req_id)
+            if req.device_hold:
+                self._hold_wanted.add(req.req_id)
+
     def _hold_for_peer(self, deltas: list[TokenDelta]) -> list[TokenDelta]:
         """Prefill mode: keep a for_peer request's finish until its copies out settled; release those that did."""
         if not self._for_peer and not self._held:
@@ -107,6 +116,7 @@ class PdFetching:
         for delta in deltas:
             if delta.finish_reason is not None and delta.req_id in self._for_peer:
                 self._for_peer.discard(delta.req_id)
+                self._hold_wanted.discard(delta.req_id)
                 if self.tiers is not None and self.tiers.offloading.get(delta.req_id):
                     self._held[delta.req_id] = delta
                     continue
@@ -120,7 +130,7 @@ class PdFetching:
 
     def _hold_for_peer_device(self, seq: Sequence) -> None:
         """At the prompt's last page boundary: hold its device pages and checkpoint for the decode peer."""
-        if (not self.peer_holds_enabled or seq.req_id not in self._for_peer or seq.req_id in self._hold_of
+        if (not self.peer_holds_enabled or seq.req_id not in self._hold_wanted or seq.req_id in self._hold_of
                 or len(self._peer_holds) >= MAX_PEER_HOLDS):
             return
         hold = self.coord.hold(seq.req_id)

@@ -138,8 +138,7 @@ class Scheduler(Publishing, Speculating, PdFetching):
 
     def add(self, req: GenerateRequest) -> None:
         seq = Sequence(req.req_id, list(req.prompt_ids), req.sampling)
-        if req.for_peer:
-            self._for_peer.add(req.req_id)
+        self._note_for_peer(req)
         fetching = (req.peer is not None and not self._peer_device_usable(seq, req)
                     and self._start_fetch(seq, req.peer))  # then the lookup: on_pd_fetched
         if self.tiers is not None and not fetching:

@@ -51,6 +51,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     peer: str | None = None  # decode mode: the prefill transporter to pull the prompt's pages from (a checked ticket)
     for_peer: bool = False  # prefill mode: answer only once the prompt's pages are in the CPU tier (docs/pd.md)
     peer_device: PeerDevice | None = None  # decode mode: the peer's device pages, when both share a GPU
+    device_hold: bool = False  # prefill mode on CUDA: hold the prompt's device prefix for the peer (one-prompt
+    # requests only: the answer names one hold, and a hold nobody names would sit until it expires)
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

@@ -361,3 +361,20 @@ async def test_models_metrics_and_flush(api):
         assert name in text, name
     status, body = await api.post("/cache/flush", {})
     assert status == 200 and body == {"flushed": True, "pages": 3, "checkpoints": 1, "cpu_pages": 0, "disk_files": 0}
+
+
+async def test_a_prefill_for_a_peer_asks_a_device_hold_only_for_one_prompt():
+    """A prefill answer's ticket names one device hold: a request of several prompts takes the CPU path and
+    must not leave holds nobody names (they would sit on the device until they expire)."""
+    async with running(mode="prefill") as api:
+        pd = {"hkv_pd": {"prefill": True}, "max_tokens": 1, "temperature": 0}
+        status, _ = await api.post("/v1/completions", {"prompt": "Hello there", **pd})
+        assert status == 200
+        one = api.router.generated[-1]
+        assert one.for_peer and one.device_hold
+        status, _ = await api.post("/v1/completions", {"prompt": ["Hello there", "General Kenobi"], **pd})
+        assert status == 200
+        two = api.router.generated[-2:]
+        assert all(g.for_peer and not g.device_hold for g in two) and len({g.req_id for g in two}) == 2
+        status, _ = await api.post("/v1/completions", {"prompt": "Hello there", "max_tokens": 1})
+        assert status == 200 and not api.router.generated[-1].for_peer and not api.router.generated[-1].device_hold

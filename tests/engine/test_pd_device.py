@@ -56,6 +56,8 @@ def prompt(n: int, base: int) -> list[int]:
 
 
 def generate(req_id: int, n: int, base: int | None = None, peer: str | None = None, **kw) -> GenerateRequest:
+    """A request; a for_peer one also asks for a device hold (a one-prompt prefill) unless told otherwise."""
+    kw.setdefault("device_hold", kw.get("for_peer", False))
     tokens = prompt(n, req_id * 1000 if base is None else base)
     return GenerateRequest(req_id, tokens, SamplingParams(max_tokens=1), peer=peer, **kw)
 
@@ -172,14 +174,17 @@ def test_release_peer_hold_frees_the_pages_and_a_second_or_unknown_release_is_on
     check_books_balanced(sched)
 
 
-@pytest.mark.parametrize("enabled,for_peer", [(False, True), (True, False), (False, False)])
-def test_no_hold_unless_enabled_and_for_peer(enabled, for_peer, clock):
+@pytest.mark.parametrize("enabled,for_peer,hold", [(False, True, True), (True, False, False), (False, False, False),
+                                                   (True, True, False)])
+def test_no_hold_unless_enabled_for_peer_and_asked(enabled, for_peer, hold, clock):
+    """(True, True, False): a prefill of several prompts asks for no hold (its answer could name only one)."""
     sched = make()
     sched.peer_holds_enabled = enabled
-    sched.add(generate(1, 199, for_peer=for_peer))
+    sched.add(generate(1, 199, for_peer=for_peer, device_hold=hold))
     _, deltas = run_to_end(sched)
     assert finish_of(deltas, 1).finish_reason == "length"
     assert all(d.peer_hold is None for d in deltas)
+    assert sched.coord.holds == {} and sched._hold_wanted == set()
     check_books_balanced(sched)
 
 
