@@ -158,6 +158,7 @@ class ServerConfig:
     pd_port: int = 0  # prefill/decode: the transporter's TCP port on `host` (0: a free one)
     pd_timeout_s: float = 30.0  # prefill/decode: a transfer not done by then rolls back at both ends
     pd_stall_pull_s: float = 0.0  # tests: $HKV_PD_STALL_PULL_S, the transporter waits this long before a pull
+    log_request_times: bool = False  # the router logs where each finished request's time went (hkv/engine/timeline.py)
 
 
 @dataclass(frozen=True)
@@ -289,6 +290,10 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                         "(default: 10)")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level of every actor; debug also checks the cache books after every step (default: info)")
+    g.add_argument("--log-request-times", action="store_true",
+                   help="the router logs one line per finished request: when its tier lookup answered, when it was "
+                        "admitted, its first step and first token, in ms from its arrival, for TTFT breakdowns "
+                        "(default: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -538,6 +543,7 @@ def _server_config(args: argparse.Namespace, name: str) -> ServerConfig:
         metrics_key=_key("--metrics-key", args.metrics_key, "HKV_METRICS_KEY"),
         pd_port=args.pd_port,
         pd_timeout_s=args.pd_timeout,
+        log_request_times=args.log_request_times,
         pd_stall_pull_s=float(os.environ.get("HKV_PD_STALL_PULL_S") or 0.0),  # fault injection (tests/e2e/test_pd.py)
     )
 

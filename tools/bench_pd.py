@@ -129,7 +129,8 @@ def run(args) -> dict:
     secret = log_dir / "pd.secret"
     secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o600)
-    common = ["--model", args.model, "--device", "cuda", "--gpu-memory-fraction", MEM, "--max-running-requests", "8"]
+    common = ["--model", args.model, "--device", "cuda", "--gpu-memory-fraction", MEM, "--max-running-requests", "8",
+              "--log-request-times"]
     pd_flags = ["--secret-file", str(secret), "--cpu-cache-gb", str(args.cpu_cache_gb)]
     procs = {
         "prefill": _start("bpd_p", 8201, [*common, *pd_flags, "--mode", "prefill"], log_dir),
@@ -178,6 +179,11 @@ def run(args) -> dict:
         found = re.findall(r"peer copy: (\d+) pages and their state, ([\d.]+) MiB in ([\d.]+) ms \([^;]*; pages "
                            r"[\d.]+ ms, ([^)]*)\)", procs["decode"][1].read_text())
         copies, how = [(int(p), float(mib), float(ms)) for p, mib, ms, _ in found], [h for *_, h in found]
+        # where each long prompt's time went on each instance (--log-request-times), in the order sent
+        timelines = {name: [line.split("INFO ", 1)[1] for line in procs[name][1].read_text().splitlines()
+                            if re.search(rf"INFO request \d+: ({args.prompt_tokens}|{args.prompt_tokens - 1}) prompt",
+                                         line)]
+                     for name in ("prefill", "decode", "single")}
     finally:
         for proc, _ in procs.values():
             proc.send_signal(signal.SIGTERM)
@@ -200,7 +206,8 @@ def run(args) -> dict:
         return sorted(c[2] for c in cs)[len(cs) // 2]
 
     doc = {"prompt_tokens": args.prompt_tokens, "pages": pages, "bytes": nbytes, "device_copy_gbps": copy_gbps,
-           "device_copy_after_idle_gbps": idle_copy_gbps, "copies": copies, "copied_as": how, "rounds": rounds[1:],
+           "device_copy_after_idle_gbps": idle_copy_gbps, "copies": copies, "copied_as": how,
+           "timelines": timelines, "rounds": rounds[1:],
            "loaded_rounds": loaded, "background_streams": args.background if loaded else 0}
     for tag, cs, base in (("idle", idle_copies, idle_copy_gbps), ("loaded", loaded_copies, copy_gbps)):
         if not cs:
@@ -221,6 +228,9 @@ def run(args) -> dict:
         doc[f"mean_{key}"] = sum(r[key] for r in rounds[1:]) / max(1, len(rounds) - 1)
     print(f"mean TTFT: through the master {doc['mean_ttft_pd_s'] * 1e3:.1f} ms, one instance "
           f"{doc['mean_ttft_single_s'] * 1e3:.1f} ms")
+    for name, lines in timelines.items():  # the last idle round's, on each instance
+        if len(lines) > args.rounds:
+            print(f"{name}: {lines[args.rounds]}")
     return doc
 
 

@@ -126,12 +126,15 @@ if wants i12; then
 fi
 if wants i13; then
   say "servers: --cpu-cache-gb 16 --max-total-tokens 24576 and --no-prefix-cache, side by side"
-  start s_tiers --max-running-requests 8 --cpu-cache-gb "$TIER_GB" --max-total-tokens "$TIER_TOKENS" && {
+  start s_tiers --max-running-requests 8 --cpu-cache-gb "$TIER_GB" --max-total-tokens "$TIER_TOKENS" \
+    --log-request-times && {
     tiers_pid=$SERVER_PID
     PORT=$((PORT + 1)) start s_nocache2 --max-running-requests 8 --no-prefix-cache --max-total-tokens "$TIER_TOKENS" && {
       timeout 300 python3 -m tools.bench_tier_coverage --url "http://127.0.0.1:$PORT" \
         --baseline-url "http://127.0.0.1:$((PORT + 1))" --prompt-tokens "$TIER_PROMPT" --others 6 30 --tail 64 \
         --vocab "$VOCAB" --json /tmp/res_i13_tiers.json 2>&1 | tail -20 | tee -a "$LOG"
+      say "where the tier server's requests spent their time (--log-request-times, the last 12)"
+      grep -h "router INFO request" /tmp/s_tiers.err | tail -12 | cut -c25- | tee -a "$LOG"
       stop
     }
     SERVER_PID=$tiers_pid

@@ -31,6 +31,7 @@ from hkv.cache.coordinator import CacheCoordinator
 from hkv.cache.types import CacheSpec
 from hkv.engine.scheduler import Scheduler, SchedulerLimits
 from hkv.engine.tier_client import TierClient
+from hkv.engine.timeline import Timeline
 from hkv.engine.validate import InboxCheck, RouterLimits
 from hkv.ipc import json_block, request_table, stats
 from hkv.ipc.channel import Receiver, Sender
@@ -101,6 +102,7 @@ class Router:
         self._published: tuple | None = None  # the EngineState figures the heartbeat last sent
         self.stats = router_stats
         self.debug = cfg.server.log_level == "debug"  # check the books after every step
+        self.timeline = Timeline(cfg.server.log_request_times)  # --log-request-times: TTFT breakdowns
         self._pending_flushes: list[int] = []
         self._tier_flushes: dict[int, CacheFlushed] = {}  # flush id -> the device part, until the worker answers
         self._flush_answers: list[CacheFlushed] = []  # complete answers for the api
@@ -206,6 +208,7 @@ class Router:
             # 3. the oldest plan's result (which may free what a plan that could not be made needs)
             plan = sent.popleft()
             result = self.count_result(await self.wait_result(plan), plan)
+            self.timeline.plan_done(plan, result)
             deltas = self.scheduler.on_result(result, plan)
             stuck = False
             self.note_state()
@@ -224,18 +227,21 @@ class Router:
 
     def apply(self, msg: RouterInbound) -> None:
         if isinstance(msg, GenerateRequest):
+            self.timeline.arrived(msg.req_id, len(msg.prompt_ids))
             self.admit(msg)
         elif isinstance(msg, AbortRequest):
             self.scheduler.abort(msg.req_id)
         elif isinstance(msg, FlushCache):
             self._pending_flushes.append(msg.flush_id)
         elif isinstance(msg, PdFetched):
+            self.timeline.mark(self.scheduler.fetching_request(msg.fetch_id), "fetched")
             self.scheduler.on_pd_fetched(msg)
         elif isinstance(msg, PdHoldRelease):
             self.scheduler.release_peer_hold(msg.hold_id)
         elif self.tiers is None:
             log.warning("ignoring a tier message without tiers: %r", msg)
         elif isinstance(msg, TierFound):
+            self.timeline.mark(self.tiers.waiting_lookups.get(msg.lookup_id), "tier")
             self.scheduler.on_tier_found(msg)
         elif isinstance(msg, TierReserved):
             self.scheduler.on_tier_reserved(msg)
@@ -334,6 +340,7 @@ class Router:
             self._flush_answers.append(CacheFlushed(msg.flush_id, device.pages, device.checkpoints, msg.pages, msg.files))
 
     async def send_plan(self, plan: StepPlan) -> None:
+        self.timeline.plan_sent(plan)
         for sender in self.to_ranks:
             await sender.send(plan)
 
@@ -423,6 +430,7 @@ class Router:
                     "cached_tokens_peer": tiers.get("peer", 0),
                 })
         if deltas:
+            self.timeline.published(deltas)
             await self.to_api.send(TokenBatch(deltas))
 
     async def aclose(self) -> None:

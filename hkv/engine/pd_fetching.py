@@ -96,6 +96,10 @@ class PdFetching:
         hit = self.coord.peek(seq.prompt_ids)
         seq.lookup_pending = self.tiers.lookup(seq.req_id, seq.keys, seq.prompt_ids, hit)
 
+    def fetching_request(self, fetch_id: int) -> int | None:
+        """The request a fetch in flight is for (None: not ours, or ended)."""
+        return self._fetching.get(fetch_id)
+
     def take_pd_outbox(self) -> list[PdFetch]:
         out, self.pd_outbox = self.pd_outbox, []
         return out

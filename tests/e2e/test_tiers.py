@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import time
 import urllib.request
@@ -98,7 +99,7 @@ def _tier_tokens(result: dict) -> tuple[int, int, int]:
 
 def test_1_a_prefix_pushed_off_the_device_comes_back_from_the_cpu_tier(
         disk_dir, hybrid_reference, outputs, tmp_path):
-    server, pids = _serve([*HYBRID_FLAGS, "--disk-cache-dir", str(disk_dir)], tmp_path)
+    server, pids = _serve([*HYBRID_FLAGS, "--disk-cache-dir", str(disk_dir), "--log-request-times"], tmp_path)
     try:
         first = _complete(server.url, _body(PROMPT_A, OUT_TOKENS))
         others = [_complete(server.url, _body(p, OUT_TOKENS)) for p in OTHERS]
@@ -112,6 +113,13 @@ def test_1_a_prefix_pushed_off_the_device_comes_back_from_the_cpu_tier(
         again = _complete(server.url, _body(branch, OUT_TOKENS))
     finally:
         _stop(server, pids)
+    # --log-request-times: the tier hit's line, with its lookup and its loads (pages and checkpoint)
+    gpu, cpu, disk = _tier_tokens(result)
+    lines = re.findall(rf"request \d+: {len(PROMPT_A30)} prompt tokens, cached gpu {gpu} cpu {cpu} disk {disk} peer 0; "
+                       r"tier [\d.]+ ms, admitted [\d.]+ ms \(step \d+, \d+ tokens, (\d+) cache ops\), first step done "
+                       r"[\d.]+ ms \(forward [\d.]+ ms\), first token [\d.]+ ms, finished [\d.]+ ms \(length\)",
+                       server.log_path.read_text(errors="replace"))
+    assert len(lines) == 1 and int(lines[0]) >= 2, server.log()[-3000:]
     assert _tier_tokens(again) == (served, 0, 0), again["usage"]
     assert_greedy_parity(hybrid_reference, branch, again["choices"][0]["token_ids"])
     gpu, cpu, disk = _tier_tokens(result)

@@ -1,0 +1,80 @@
+"""Where a request's time to first token goes, as the router sees it: one log line per finished request.
+
+    request 12: 8256 prompt tokens, cached gpu 0 cpu 8192 disk 0 peer 0; tier 3.1 ms, admitted 3.4 ms
+    (step 88, 64 tokens, 2 cache ops), first step done 21.0 ms (forward 9.8 ms), first token 21.3 ms,
+    finished 980.0 ms (length)
+
+Times count from the request's arrival at the router (time.monotonic, which
+every process on the host shares, so a rank's or the api's own timestamps
+line up with these). Stages: `fetched` (decode mode: the peer's pages are
+in), `tier` (the CPU/disk tier lookup answered), `admitted` (the first plan
+that runs it), `first step done` (that plan's result), `first token`
+(published to the api), `finished`. Off unless `--log-request-times`;
+then a stage costs one dict update and a finish one log line (info).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+from hkv.ipc.messages import StepPlan, StepResult, TokenDelta
+
+log = logging.getLogger("hkv.timeline")
+
+MAX_TRACKED = 4096  # requests followed at once; the oldest is dropped past it (bounded, whatever the load)
+
+
+class Timeline:
+    def __init__(self, enabled: bool, clock=time.monotonic):
+        self.enabled = enabled
+        self._clock = clock
+        self._reqs: OrderedDict[int, dict] = OrderedDict()
+
+    def arrived(self, req_id: int, prompt_len: int) -> None:
+        if not self.enabled:
+            return
+        if len(self._reqs) >= MAX_TRACKED:
+            self._reqs.popitem(last=False)
+        self._reqs[req_id] = {"t0": self._clock(), "prompt": prompt_len}
+
+    def mark(self, req_id: int | None, stage: str, detail: str = "") -> None:
+        """The first time `req_id` reaches `stage` (later ones, after a preemption, are not the TTFT's)."""
+        rec = self._reqs.get(req_id) if self.enabled and req_id is not None else None
+        if rec is not None and stage not in rec:
+            rec[stage] = (self._clock() - rec["t0"], detail)
+
+    def plan_sent(self, plan: StepPlan) -> None:
+        if not self.enabled or not plan.new:
+            return
+        tokens = {c.slot: len(c.token_ids) for c in plan.chunks}
+        for seq in plan.new:
+            self.mark(seq.req_id, "admitted",
+                      f"step {plan.step}, {tokens.get(seq.slot, 0)} tokens, {len(plan.ops)} cache ops")
+
+    def plan_done(self, plan: StepPlan, result: StepResult) -> None:
+        if not self.enabled:
+            return
+        for seq in plan.new:
+            self.mark(seq.req_id, "first step done", f"forward {result.forward_s * 1e3:.1f} ms")
+
+    def published(self, deltas: list[TokenDelta]) -> None:
+        if not self.enabled:
+            return
+        for delta in deltas:
+            if delta.token_ids:
+                self.mark(delta.req_id, "first token")
+            if delta.finish_reason is not None:
+                self.mark(delta.req_id, "finished", delta.finish_reason)
+                rec = self._reqs.pop(delta.req_id, None)
+                if rec is not None:
+                    log.info("%s", self.line(delta, rec))
+
+    @staticmethod
+    def line(delta: TokenDelta, rec: dict) -> str:
+        tiers = delta.cache_tiers or {}
+        cached = " ".join(f"{t} {tiers.get(t, 0)}" for t in ("gpu", "cpu", "disk", "peer"))
+        stages = ", ".join(f"{name} {at * 1e3:.1f} ms" + (f" ({detail})" if detail else "")
+                           for name, (at, detail) in ((k, v) for k, v in rec.items() if k not in ("t0", "prompt")))
+        return f"request {delta.req_id}: {rec['prompt']} prompt tokens, cached {cached}; {stages}"
