@@ -34,7 +34,7 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
     return [(s, d, n) for s, d, n in runs]
 
 
-def _elements(t: torch.Tensor) -> torch.Tensor:
+def pool_elements(t: torch.Tensor) -> torch.Tensor:
     """t [L, N, *block] as a view [L, N, elements] (a view, never a copy: the copies write through it)."""
     try:
         flat = t.view(t.shape[0], t.shape[1], -1)
@@ -47,7 +47,7 @@ def _elements(t: torch.Tensor) -> torch.Tensor:
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """t [L, N, *block] as [L, N, words] of 8-byte words, when its blocks and strides allow; else [L, N, elements]."""
-    flat = _elements(t)
+    flat = pool_elements(t)
     esize = flat.element_size()
     ok = (flat.shape[2] * esize % 8 == 0 and flat.data_ptr() % 8 == 0
           and all(s * esize % 8 == 0 for s in flat.stride()[:2]))
@@ -69,6 +69,6 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[tuple[int, in
             raise IndexError(f"run ({s}, {d}, {n}) outside the pools ({src.shape[1]}, {dst.shape[1]})")
     s_words, d_words = _words(src), _words(dst)
     if s_words.dtype != d_words.dtype:  # one side not word-aligned: copy elements
-        s_words, d_words = _elements(src), _elements(dst)
+        s_words, d_words = pool_elements(src), pool_elements(dst)
     for s, d, n in runs:
         d_words[:, d:d + n].copy_(s_words[:, s:s + n])

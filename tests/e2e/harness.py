@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -147,3 +148,30 @@ def assert_clean(server: Server, actor_pids: list[int], timeout: float = 30.0) -
         time.sleep(0.2)
     alive = [p for p in actor_pids if process_alive(p)]
     raise AssertionError(f"left behind: processes {alive}, shm {shm_segments(server.name)}\n{server.log()}")
+
+
+def listening_inodes() -> dict[int, str]:
+    """Socket inode -> local address of every TCP socket in LISTEN state (/proc/net/tcp, tcp6)."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    out[int(fields[9])] = fields[1]
+    return out
+
+
+def bound_addresses(pids: list[int]) -> list[str]:
+    """Local addresses (hex ip:port, as /proc/net/tcp writes them) the processes listen on."""
+    listening, out = listening_inodes(), []
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            m = re.fullmatch(r"socket:\[(\d+)\]", target)
+            if m and int(m.group(1)) in listening:
+                out.append(listening[int(m.group(1))])
+    return out

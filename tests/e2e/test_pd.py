@@ -38,7 +38,7 @@ import zmq
 from hkv.ipc.auth import Signer
 from hkv.ipc.peer_messages import PeerDone
 from hkv.models.tiny import ensure_builtin
-from tests.e2e.harness import assert_clean, free_port, launch
+from tests.e2e.harness import assert_clean, bound_addresses, free_port, launch
 from tests.e2e.test_prefix_cache import inspect_json
 from tests.reference import assert_greedy_parity
 
@@ -224,33 +224,6 @@ def test_dense_output_through_the_master_equals_transformers(qwen3_dir, qwen3_re
         pd.stop()
 
 
-def _listening_inodes() -> dict[int, str]:
-    """Socket inode -> local address of every TCP socket in LISTEN state (/proc/net/tcp, tcp6)."""
-    out = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A":  # TCP_LISTEN
-                    out[int(fields[9])] = fields[1]
-    return out
-
-
-def _bound_addresses(pids: list[int]) -> list[str]:
-    """Local addresses (hex ip:port, as /proc/net/tcp writes them) the processes listen on."""
-    listening, out = _listening_inodes(), []
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            m = re.fullmatch(r"socket:\[(\d+)\]", target)
-            if m and int(m.group(1)) in listening:
-                out.append(listening[int(m.group(1))])
-    return out
-
-
 def test_bad_frames_are_rejected_and_counted_and_only_loopback_is_bound(hybrid_pd, tmp_path):
     pd = hybrid_pd
     address = urllib.request.urlopen(f"{pd.prefill.url}/pd/info", timeout=10).read().decode()
@@ -291,7 +264,7 @@ def test_bad_frames_are_rejected_and_counted_and_only_loopback_is_bound(hybrid_p
     assert not marker.exists()
     assert _complete(pd.master.url, _prompts(17, [100])[0])["usage"]["cache"]["peer"] == 96  # still serving
     pids = pd.prefill.actor_pids() + pd.decode.actor_pids() + pd.master.actor_pids()
-    addresses = _bound_addresses(pids)
+    addresses = bound_addresses(pids)
     ports = {s.port for s in pd.servers()} | {int(transporter.rsplit(":", 1)[1])}
     assert {int(a.split(":")[1], 16) for a in addresses} >= ports, addresses
     assert all(a.split(":")[0] == "0100007F" for a in addresses), addresses  # 127.0.0.1, nothing else
