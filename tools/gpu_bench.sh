@@ -84,7 +84,7 @@ fi
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
 if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
-  start s_default --max-running-requests 64 "${MEM[@]}" && {
+  start s_default --max-running-requests 64 "${MEM[@]}" --log-request-times && {
     if wants i11; then
       for c in $LEVELS; do
         n=$((c == 1 ? 4 : 2 * c))
@@ -96,6 +96,8 @@ if wants i11 || wants i12 || wants prefix; then
     if wants prefix; then
       bench i11_prefix_cache --workload shared-prefix --groups 1 --prompts-per-group 32 --system-len 2048 \
         --question-len 128 --output-len 32 --concurrency 32 --warmup 0
+      say "where the shared-prefix requests spent their time (--log-request-times, the last 8)"
+      grep -h "router INFO request" /tmp/s_default.err | tail -8 | cut -c25- | tee -a "$LOG"
       bench i11_steady_cache --workload shared-prefix --groups 16 --prompts-per-group 16 --system-len 2048 \
         --question-len 128 --output-len 256 --concurrency 32 --warmup 2
     fi
