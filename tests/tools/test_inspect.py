@@ -99,3 +99,20 @@ def test_bad_usage_exits_2(argv, capsys):
         main(argv)
     assert exit_info.value.code == 2
     capsys.readouterr()
+
+
+def test_a_prefill_or_decode_instance_shows_its_transporter_block(instance, capsys):
+    from hkv.ipc import json_block
+    from hkv.ipc.tier_regions import PD_STATS_NBYTES, PD_STATS_REGION
+
+    doc = {"address": "tcp://127.0.0.1:5555", "mode": "decode", "frames": {"accepted": 7, "replay": 1},
+           "runs_held": 0, "links": 1, "fetches_ok": 3, "pages_received": 40}
+    with Registry.create(instance, capacity=4) as registry, \
+            ShmRegion.create(instance, PD_STATS_REGION, PD_STATS_NBYTES, "transporter") as region:
+        registry.add(PD_STATS_REGION, "transporter", 1, {"format": "json_block"})
+        json_block.write(region.payload, doc)
+        assert inspect_instance(instance)["pd"] == doc
+        assert main(["--name", instance]) == 0
+        out = capsys.readouterr().out
+        assert "pd            mode=decode address=tcp://127.0.0.1:5555 runs_held=0 links=1 frames accepted=7 replay=1" in out
+        assert "fetches_ok=3 pages_received=40" in out
