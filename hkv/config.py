@@ -291,9 +291,9 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level of every actor; debug also checks the cache books after every step (default: info)")
     g.add_argument("--log-request-times", action="store_true",
-                   help="the router logs one line per finished request: when its tier lookup answered, when it was "
-                        "admitted, its first step and first token, in ms from its arrival, for TTFT breakdowns "
-                        "(default: off)")
+                   help="the router logs one line per finished request: when its peer fetch and tier lookup "
+                        "answered, its admission, first step, first token and finish, in ms from its arrival, for "
+                        "TTFT breakdowns (default: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

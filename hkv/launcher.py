@@ -88,7 +88,7 @@ class Instance:
         if cfg.server.mode in ("prefill", "decode"):
             self.regions.append(ShmRegion.create(cfg.server.name, tier_regions.PD_STATS_REGION,
                                                  tier_regions.PD_STATS_NBYTES, writer="transporter"))
-            registry.add(tier_regions.PD_STATS_REGION, writer="transporter", version=1,
+            registry.add(tier_regions.PD_STATS_REGION, writer="transporter", version=tier_regions.PD_STATS_VERSION,
                          layout={"format": "json_block"})
 
     def create_tier_regions(self, registry: Registry) -> None:

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from hkv.argtypes import positive_int
+
 MEM = "0.25"  # --gpu-memory-fraction of each of the three model instances
 
 
@@ -238,7 +240,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="model folder (the benchmark model)")
     p.add_argument("--prompt-tokens", type=int, default=32768, help="tokens per prompt (default: 32768)")
-    p.add_argument("--rounds", type=int, default=2, help="measured prompts after one warm-up (default: 2)")
+    p.add_argument("--rounds", type=positive_int, default=2, help="measured prompts after one warm-up (default: 2)")
     p.add_argument("--loaded-rounds", type=int, default=2,
                    help="prompts sent while --background streams decode (default: 2; 0: none)")
     p.add_argument("--background", type=int, default=6,

@@ -29,13 +29,13 @@ from hkv.ipc.shm import (
     sweep_orphans,
     validate_instance,
 )
-from hkv.ipc.tier_regions import PD_STATS_REGION, TIER_STATS_REGION
+from hkv.ipc.tier_regions import PD_STATS_REGION, PD_STATS_VERSION, TIER_STATS_REGION
 from hkv.ipc.tier_regions import VERSION as TIER_VERSION
 
 
 # the layout version of every region this hkv-inspect decodes (the registry records the writer's)
 SPOKEN_VERSIONS = {stats.REGION: stats.VERSION, stats.RADIX_REGION: 1, request_table.REGION: request_table.VERSION,
-                   TIER_STATS_REGION: TIER_VERSION, PD_STATS_REGION: 1}
+                   TIER_STATS_REGION: TIER_VERSION, PD_STATS_REGION: PD_STATS_VERSION}
 
 
 class InstanceNotFound(Exception):

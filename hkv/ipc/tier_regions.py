@@ -27,6 +27,7 @@ TIER_STATS_REGION = "tiers"
 TIER_STATS_NBYTES = 64 * 1024
 PD_STATS_REGION = "pd"  # prefill/decode: the transporter's figures, a json_block (hkv/actors/transporter.py)
 PD_STATS_NBYTES = 16 * 1024
+PD_STATS_VERSION = 1  # its document's layout (hkv-inspect reads this one)
 VERSION = 3  # 2: one budget of units (HostLayout.state_units), no fixed page/checkpoint split; 3: the drafter's part
 
 

@@ -6,20 +6,29 @@ gloo). Not yet wired into the ranks.
 
     decode rank (rank 1)                               prefill rank (rank 0)
     store, address = host_rendezvous("127.0.0.1")      (address and prefix come in a signed control message)
-    group = PairGroup(address, prefix, 1, ...)         group = PairGroup(address, prefix, 0, ...)
+    group = PairGroup(address, prefix, 1, ..., bind)   group = PairGroup(address, prefix, 0, ..., bind)
     group.recv_pages(pools, runs)                      group.send_pages(pools, runs)
 
 - The rendezvous store binds one interface (the caller's `--host`, loopback
-  by default) and only for the join: the prefix is a one-time random name
-  the decode side picks, so a stranger on the port cannot join this pair.
-- A transfer first sends a header (its byte count and run count); the
-  receiver refuses one that does not match what it reserved, before any
-  page is written. Then the pages, packed into messages of at most
-  `MAX_MESSAGE_BYTES` (all layers of a run together), then the receiver
-  unpacks each into the reserved pages. Every run is checked against the
-  pools before the first byte moves.
-- Every wait is bounded by the group's timeout: a peer that never shows
-  (killed, or gone another way) raises PairGroupError within it.
+  by default); the prefix is a one-time random name the decode side picks,
+  so a stranger on the port cannot join this pair. The store lives as long
+  as the pair (NCCL builds its communicator at the first transfer, through
+  the store); `close` lets it go.
+- A transfer first sends a header: its byte count, its part count, then
+  (layers, pages, bytes a page) of every part in order; the receiver
+  refuses one that is not exactly what it reserved, before any page is
+  written. Then the pages go in messages of at most `MAX_MESSAGE_BYTES`,
+  packed and unpacked through one staging buffer of that size on each side
+  (a part is its layers' runs of pages, each contiguous in its pool). A
+  failure mid-transfer leaves some reserved pages written: the caller rolls
+  its reservation back. Every run is checked against the pools first.
+- gloo: every wait is bounded by the group's timeout; a peer that never
+  shows raises PairGroupError within it, and the group binds `bind` only.
+  NCCL (not run here yet): its bootstrap picks an interface by NCCL's own
+  rules (`NCCL_SOCKET_IFNAME`), and a p2p that never completes is ended by
+  torch's NCCL watchdog (the process), not by an exception; wiring it into
+  the ranks must receive on a side stream and abort the group on timeout
+  (docs/pd.md).
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ import torch.distributed as dist
 
 from hkv_kernels.cache_copy.runs import pool_elements
 
-MAX_MESSAGE_BYTES = 256 * 2**20  # one message: large enough for NCCL's high-bandwidth regime, bounded staging
+MAX_MESSAGE_BYTES = 256 * 2**20  # one message and each side's staging: NCCL's high-bandwidth regime, bounded
+MAX_PARTS = 4096  # runs a transfer may have (the receiver's own count bounds what it reads)
 
 
 class PairGroupError(Exception):
@@ -64,8 +74,9 @@ def host_rendezvous(host: str, timeout_s: float) -> tuple[dist.TCPStore, str]:
 class PairGroup:
     """Two ranks, 0 sends and 1 receives; backend "gloo" (CPU tensors) or "nccl" (CUDA tensors)."""
 
-    def __init__(self, address: str, prefix: str, rank: int, backend: str, timeout_s: float,
-                 store: dist.TCPStore | None = None, bind: str | None = None):  # fmt: skip
+    def __init__(self, address: str, prefix: str, rank: int, backend: str, timeout_s: float, bind: str,
+                 store: dist.TCPStore | None = None):  # fmt: skip
+        """`bind`: this side's address for gloo's connections (its `--host`); `store`: the decode side's own."""
         if rank not in (0, 1) or backend not in ("gloo", "nccl"):
             raise ValueError(f"a pair group has ranks 0 and 1 over gloo or nccl, not rank {rank} over {backend}")
         host, _, port = address.rpartition(":")
@@ -77,7 +88,7 @@ class PairGroup:
             if backend == "gloo":
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = timeout
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind or host)]
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
                 self.group = dist.ProcessGroupGloo(prefixed, rank, 2, opts)
             else:
                 opts = dist.ProcessGroupNCCL.Options()
@@ -85,7 +96,7 @@ class PairGroup:
                 self.group = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
         except (RuntimeError, ValueError, dist.DistError) as exc:
             raise PairGroupError(f"the pair group did not form: {exc}") from None
-        self.store = store  # kept alive: the decode side's store serves the join
+        self.store: dist.TCPStore | None = store  # the pair's rendezvous, until close
         self.rank, self.backend = rank, backend
         self.peer = 1 - rank
 
@@ -94,35 +105,42 @@ class PairGroup:
             self.group.shutdown()
         except (RuntimeError, AttributeError):
             pass
+        self.store = None  # the decode side's store closes its port with its last reference
 
     def send_pages(self, pools: Sequence[torch.Tensor], runs: Sequence[Sequence[tuple[int, int, int]]]) -> int:
         """Rank 0: pools[i][:, s:s+n] for each run (s, _, n) of runs[i], in order; returns the bytes sent."""
         parts = _parts(pools, runs, source=True)
-        flat = torch.cat([_bytes(p).reshape(-1) for p in parts]) if parts else None
-        total = 0 if flat is None else flat.numel()
-        self._wait(self.group.send([torch.tensor([total, len(parts)], dtype=torch.int64,
-                                                 device=_device(pools))], self.peer, 0))
-        for i in range(0, total, MAX_MESSAGE_BYTES):
-            self._wait(self.group.send([flat[i:i + MAX_MESSAGE_BYTES]], self.peer, 1))
+        device, total = _device(pools), sum(p.numel() for p in parts)
+        self._wait(self.group.send([torch.tensor([total, len(parts)], dtype=torch.int64, device=device)], self.peer, 0))
+        if parts:
+            self._wait(self.group.send([_shapes(parts, device)], self.peer, 0))
+        staging = torch.empty(min(total, MAX_MESSAGE_BYTES), dtype=torch.uint8, device=device)
+        for message, pieces in _messages(parts):
+            for offset, segment in pieces:
+                staging[offset:offset + segment.numel()].copy_(segment)
+            self._wait(self.group.send([staging[:message]], self.peer, 1))
         return total
 
     def recv_pages(self, pools: Sequence[torch.Tensor], runs: Sequence[Sequence[tuple[int, int, int]]]) -> int:
         """Rank 1: into pools[i][:, d:d+n] for each run (_, d, n) of runs[i]; the sender's runs must have the
-        same lengths, in the same order. Returns the bytes received."""
-        parts = [_bytes(p) for p in _parts(pools, runs, source=False)]
-        total = sum(p.numel() for p in parts)
-        header = torch.zeros(2, dtype=torch.int64, device=_device(pools))
+        same lengths, in the same order (checked). Returns the bytes received."""
+        parts = _parts(pools, runs, source=False)
+        device, total = _device(pools), sum(p.numel() for p in parts)
+        header = torch.zeros(2, dtype=torch.int64, device=device)
         self._wait(self.group.recv([header], self.peer, 0))
         if header.tolist() != [total, len(parts)]:
             raise PairGroupError(f"the peer sends {header[0].item()} bytes in {header[1].item()} runs; "
                                  f"{total} in {len(parts)} were reserved")
-        flat = torch.empty(total, dtype=torch.uint8, device=_device(pools))
-        for i in range(0, total, MAX_MESSAGE_BYTES):
-            self._wait(self.group.recv([flat[i:i + MAX_MESSAGE_BYTES]], self.peer, 1))
-        offset = 0
-        for part in parts:  # every message is in: only now are the reserved pages written
-            part.copy_(flat[offset:offset + part.numel()].view(part.shape))
-            offset += part.numel()
+        if parts:
+            shapes = torch.zeros(len(parts), 3, dtype=torch.int64, device=device)
+            self._wait(self.group.recv([shapes], self.peer, 0))
+            if not torch.equal(shapes, _shapes(parts, device)):
+                raise PairGroupError("the peer's runs are split otherwise than the reserved ones")
+        staging = torch.empty(min(total, MAX_MESSAGE_BYTES), dtype=torch.uint8, device=device)
+        for message, pieces in _messages(parts):
+            self._wait(self.group.recv([staging[:message]], self.peer, 1))
+            for offset, segment in pieces:
+                segment.copy_(staging[offset:offset + segment.numel()])
         return total
 
     def _wait(self, work) -> None:
@@ -137,12 +155,18 @@ def _device(pools: Sequence[torch.Tensor]) -> torch.device:
 
 
 def _parts(pools: Sequence[torch.Tensor], runs: Sequence[Sequence[tuple[int, int, int]]], source: bool) -> list:
-    """The views the runs name, [L, n, elements] each, every run checked against its pool first."""
+    """The byte views the runs name, [layers, pages, bytes a page] each (a view: writes reach the pool), every
+    run checked against its pool first."""
     if len(pools) != len(runs):
         raise ValueError(f"{len(pools)} pools and {len(runs)} run lists")
+    if sum(len(r) for r in runs) > MAX_PARTS:
+        raise ValueError(f"more than {MAX_PARTS} runs in one transfer")
     views = []
     for pool, pool_runs in zip(pools, runs):
         flat = pool_elements(pool)
+        flat = flat.view(torch.uint8) if flat.element_size() != 1 else flat
+        if flat.shape[1] > 1 and flat.stride(1) != flat.shape[2]:  # a layer's run must be one contiguous segment
+            raise ValueError("a pool's pages must be contiguous within a layer")
         for s, d, n in pool_runs:
             start = s if source else d
             if not (n > 0 and 0 <= start and start + n <= pool.shape[1]):
@@ -151,6 +175,24 @@ def _parts(pools: Sequence[torch.Tensor], runs: Sequence[Sequence[tuple[int, int
     return views
 
 
-def _bytes(part: torch.Tensor) -> torch.Tensor:
-    """A [L, n, elements] view (last dim contiguous) as its bytes, [L, n, elements * itemsize], still a view."""
-    return part.view(torch.uint8) if part.element_size() != 1 else part
+def _shapes(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.tensor([list(p.shape) for p in parts], dtype=torch.int64, device=device)
+
+
+def _messages(parts: list[torch.Tensor]):
+    """(message bytes, [(offset in the message, contiguous 1-D segment of a pool)]) per message: each part is
+    its layers' runs (contiguous), cut where a message of MAX_MESSAGE_BYTES fills."""
+    pieces, filled = [], 0
+    for part in parts:
+        for layer in part:
+            segment = layer.reshape(-1)  # one layer's run of pages: contiguous, so a view
+            done = 0
+            while done < segment.numel():
+                take = min(segment.numel() - done, MAX_MESSAGE_BYTES - filled)
+                pieces.append((filled, segment[done:done + take]))
+                filled, done = filled + take, done + take
+                if filled == MAX_MESSAGE_BYTES:
+                    yield filled, pieces
+                    pieces, filled = [], 0
+    if filled:
+        yield filled, pieces

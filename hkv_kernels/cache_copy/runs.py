@@ -36,8 +36,11 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
 
 def pool_elements(t: torch.Tensor) -> torch.Tensor:
     """t [L, N, *block] as a view [L, N, elements] (a view, never a copy: the copies write through it)."""
+    block = 1
+    for n in t.shape[2:]:
+        block *= n
     try:
-        flat = t.view(t.shape[0], t.shape[1], -1)
+        flat = t.view(t.shape[0], t.shape[1], block)
     except RuntimeError:
         raise ValueError("a pool's blocks must be contiguous") from None
     if flat.shape[2] > 1 and flat.stride(2) != 1:
@@ -49,9 +52,14 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     """t [L, N, *block] as [L, N, words] of 8-byte words, when its blocks and strides allow; else [L, N, elements]."""
     flat = pool_elements(t)
     esize = flat.element_size()
-    ok = (flat.shape[2] * esize % 8 == 0 and flat.data_ptr() % 8 == 0
+    ok = (flat.shape[2] * esize % 8 == 0 and flat.data_ptr() % 8 == 0 and flat.storage_offset() * esize % 8 == 0
           and all(s * esize % 8 == 0 for s in flat.stride()[:2]))
-    return flat.view(torch.int64) if ok and esize != 8 and flat.shape[2] > 0 else flat
+    if not ok or esize == 8 or flat.shape[2] == 0:
+        return flat
+    try:
+        return flat.view(torch.int64)
+    except RuntimeError:  # a storage this view cannot reinterpret (its base unaligned): elements then
+        return flat
 
 
 def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:

@@ -32,7 +32,7 @@ def _prefill_side(address: str, prefix: str, message_bytes: int, kv_runs: list, 
     if not joins:
         time.sleep(30)
         return
-    group = PairGroup(address, prefix, 0, "gloo", timeout_s)
+    group = PairGroup(address, prefix, 0, "gloo", timeout_s, "127.0.0.1")
     try:
         group.send_pages(_pools(1), [kv_runs, STATE_RUNS])
     except PairGroupError:
@@ -57,7 +57,7 @@ def test_the_pages_and_the_checkpoint_arrive_bit_for_bit_and_nothing_else_change
     proc = _start_prefill(address, "t1", message_bytes)
     own = [torch.zeros_like(t) for t in _pools(1)]
     before = [t.clone() for t in own]
-    group = PairGroup(address, "t1", 1, "gloo", 10.0, store=store, bind="127.0.0.1")
+    group = PairGroup(address, "t1", 1, "gloo", 10.0, "127.0.0.1", store=store)
     try:
         # both sides formed (the prefill side now waits in its send): only loopback is bound, store and gloo alike
         addresses = bound_addresses([os.getpid(), proc.pid])
@@ -77,14 +77,18 @@ def test_the_pages_and_the_checkpoint_arrive_bit_for_bit_and_nothing_else_change
     assert moved == 4 * 8 * kv_block + 3 * 1 * state_block
 
 
-def test_a_transfer_that_does_not_match_the_reservation_writes_nothing():
+@pytest.mark.parametrize("sent,reserved,match", [
+    ([(3, 10, 6)], [(3, 10, 5)], "were reserved"),  # one page more than reserved
+    ([(0, 0, 2), (5, 6, 3)], [(0, 0, 3), (5, 6, 2)], "split otherwise"),  # the same bytes and runs, split otherwise
+])
+def test_a_transfer_that_does_not_match_the_reservation_writes_nothing(sent, reserved, match):
     store, address = host_rendezvous("127.0.0.1", 10.0)
-    proc = _start_prefill(address, "t2", kv_runs=[(3, 10, 6)], timeout_s=3.0)  # one page more than reserved
+    proc = _start_prefill(address, "t2", kv_runs=sent, timeout_s=3.0)
     own = [torch.zeros_like(t) for t in _pools(1)]
-    group = PairGroup(address, "t2", 1, "gloo", 10.0, store=store, bind="127.0.0.1")
+    group = PairGroup(address, "t2", 1, "gloo", 10.0, "127.0.0.1", store=store)
     try:
-        with pytest.raises(PairGroupError, match="were reserved"):
-            group.recv_pages(own, [[(3, 10, 5)], STATE_RUNS])
+        with pytest.raises(PairGroupError, match=match):
+            group.recv_pages(own, [reserved, STATE_RUNS])
     finally:
         group.close()
         proc.join(20)
@@ -97,7 +101,7 @@ def test_a_peer_that_never_joins_is_an_error_within_the_timeout():
     started = time.monotonic()
     try:
         with pytest.raises(PairGroupError, match="did not form"):
-            PairGroup(address, "t3", 1, "gloo", 2.0, store=store, bind="127.0.0.1")
+            PairGroup(address, "t3", 1, "gloo", 2.0, "127.0.0.1", store=store)
     finally:
         proc.kill()
     assert time.monotonic() - started < 15
@@ -109,5 +113,7 @@ def test_runs_outside_the_pools_or_a_bad_pair_are_refused_before_anything_moves(
         pair_group._parts(own, [[(0, 38, 3)], []], source=False)
     with pytest.raises(ValueError, match="run lists"):
         pair_group._parts(own, [[(0, 0, 1)]], source=False)
+    with pytest.raises(ValueError, match="contiguous within a layer"):
+        pair_group._parts([own[0][:, ::2]], [[(0, 0, 1)]], source=False)
     with pytest.raises(ValueError, match="ranks 0 and 1"):
-        PairGroup("127.0.0.1:1", "x", 2, "gloo", 1.0)
+        PairGroup("127.0.0.1:1", "x", 2, "gloo", 1.0, "127.0.0.1")
