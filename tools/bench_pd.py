@@ -43,6 +43,9 @@ import torch
 from hkv.argtypes import positive_int
 
 MEM = "0.25"  # --gpu-memory-fraction of each of the three model instances
+# the decode rank's line per peer copy (hkv/engine/model_runner.py): pages, MiB, ms, how it went
+COPY_LINE = re.compile(r"peer copy: (\d+) pages and their state, ([\d.]+) MiB in ([\d.]+) ms \([^;]*; pages "
+                       r"[\d.]+ ms, ([^)]*)\)")
 
 
 def _start(name: str, port: int, args: list[str], log_dir: Path) -> tuple[subprocess.Popen, Path]:
@@ -178,14 +181,13 @@ def run(args) -> dict:
             if errors:
                 raise SystemExit(f"a background stream failed: {errors[0]}")
         time.sleep(1.0)
-        found = re.findall(r"peer copy: (\d+) pages and their state, ([\d.]+) MiB in ([\d.]+) ms \([^;]*; pages "
-                           r"[\d.]+ ms, ([^)]*)\)", procs["decode"][1].read_text())
+        logs = {name: procs[name][1].read_text() for name in ("prefill", "decode", "single")}
+        found = COPY_LINE.findall(logs["decode"])
         copies, how = [(int(p), float(mib), float(ms)) for p, mib, ms, _ in found], [h for *_, h in found]
         # where each long prompt's time went on each instance (--log-request-times), in the order sent
-        timelines = {name: [line.split("INFO ", 1)[1] for line in procs[name][1].read_text().splitlines()
-                            if re.search(rf"INFO request \d+: ({args.prompt_tokens}|{args.prompt_tokens - 1}) prompt",
-                                         line)]
-                     for name in ("prefill", "decode", "single")}
+        long_prompt = re.compile(rf"INFO request \d+: ({args.prompt_tokens}|{args.prompt_tokens - 1}) prompt")
+        timelines = {name: [line.split("INFO ", 1)[1] for line in text.splitlines() if long_prompt.search(line)]
+                     for name, text in logs.items()}
     finally:
         for proc, _ in procs.values():
             proc.send_signal(signal.SIGTERM)
@@ -195,7 +197,8 @@ def run(args) -> dict:
             except subprocess.TimeoutExpired:
                 proc.kill()
     # the prompts' copies (the background streams' are a few pages), in the order sent
-    big = [c for c in copies if c[0] >= max(p for p, _, _ in copies or [(0, 0, 0)]) // 2 > 0]
+    largest = max((c[0] for c in copies), default=0)
+    big = [c for c in copies if largest and c[0] >= largest // 2]
     if len(big) < 1 + args.rounds + len(loaded):
         raise SystemExit(f"the decode instance logged {len(big)} prompt copies, not {1 + args.rounds + len(loaded)} "
                          "(the device path was not taken)")

@@ -30,20 +30,21 @@ class Timeline:
     def __init__(self, enabled: bool, clock=time.monotonic):
         self.enabled = enabled
         self._clock = clock
-        self._reqs: OrderedDict[int, dict] = OrderedDict()
+        # req id -> (arrived at, prompt tokens, {stage: (seconds since arrival, detail)})
+        self._reqs: OrderedDict[int, tuple[float, int, dict[str, tuple[float, str]]]] = OrderedDict()
 
     def arrived(self, req_id: int, prompt_len: int) -> None:
         if not self.enabled:
             return
         if len(self._reqs) >= MAX_TRACKED:
             self._reqs.popitem(last=False)
-        self._reqs[req_id] = {"t0": self._clock(), "prompt": prompt_len}
+        self._reqs[req_id] = (self._clock(), prompt_len, {})
 
     def mark(self, req_id: int | None, stage: str, detail: str = "") -> None:
         """The first time `req_id` reaches `stage` (later ones, after a preemption, are not the TTFT's)."""
         rec = self._reqs.get(req_id) if self.enabled and req_id is not None else None
-        if rec is not None and stage not in rec:
-            rec[stage] = (self._clock() - rec["t0"], detail)
+        if rec is not None and stage not in rec[2]:
+            rec[2][stage] = (self._clock() - rec[0], detail)
 
     def plan_sent(self, plan: StepPlan) -> None:
         if not self.enabled or not plan.new:
@@ -72,9 +73,10 @@ class Timeline:
                     log.info("%s", self.line(delta, rec))
 
     @staticmethod
-    def line(delta: TokenDelta, rec: dict) -> str:
+    def line(delta: TokenDelta, rec: tuple[float, int, dict[str, tuple[float, str]]]) -> str:
+        _, prompt_len, stages = rec
         tiers = delta.cache_tiers or {}
         cached = " ".join(f"{t} {tiers.get(t, 0)}" for t in ("gpu", "cpu", "disk", "peer"))
-        stages = ", ".join(f"{name} {at * 1e3:.1f} ms" + (f" ({detail})" if detail else "")
-                           for name, (at, detail) in ((k, v) for k, v in rec.items() if k not in ("t0", "prompt")))
-        return f"request {delta.req_id}: {rec['prompt']} prompt tokens, cached {cached}; {stages}"
+        times = ", ".join(f"{name} {at * 1e3:.1f} ms" + (f" ({detail})" if detail else "")
+                          for name, (at, detail) in stages.items())
+        return f"request {delta.req_id}: {prompt_len} prompt tokens, cached {cached}; {times}"

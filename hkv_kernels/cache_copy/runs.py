@@ -14,6 +14,7 @@ The caller picks: `page_runs` first, `copy_runs` when there are few runs,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -36,11 +37,8 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
 
 def pool_elements(t: torch.Tensor) -> torch.Tensor:
     """t [L, N, *block] as a view [L, N, elements] (a view, never a copy: the copies write through it)."""
-    block = 1
-    for n in t.shape[2:]:
-        block *= n
     try:
-        flat = t.view(t.shape[0], t.shape[1], block)
+        flat = t.view(t.shape[0], t.shape[1], math.prod(t.shape[2:]))
     except RuntimeError:
         raise ValueError("a pool's blocks must be contiguous") from None
     if flat.shape[2] > 1 and flat.stride(2) != 1:

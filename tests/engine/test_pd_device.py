@@ -77,6 +77,14 @@ def settle_tiers(sched: Scheduler) -> None:
             sched.on_tier_reserved(TierReserved(msg.offload_id, [None] * len(msg.keys), None))
 
 
+def admitting_plan() -> tuple[Scheduler, object]:
+    """A decode side and the plan admitting request 1 (200 tokens) with the peer's device hold."""
+    sched = decode_side()
+    sched.add(generate(1, 200, peer=PEER, peer_device=device()))
+    settle_tiers(sched)
+    return sched, sched.schedule()
+
+
 def result(plan, error: str | None = None) -> StepResult:
     sampled = [] if error else [Sampled(c.slot, 7, None, None) for c in plan.chunks if c.sample]
     return StepResult(plan.step, sampled, 0.0, error)
@@ -358,10 +366,7 @@ def test_a_cpu_tier_run_loads_first_and_the_peer_copies_the_rest(hybrid, clock):
 
 
 def test_the_release_follows_the_admitting_plan_even_when_it_failed(clock):
-    sched = decode_side()
-    sched.add(generate(1, 200, peer=PEER, peer_device=device()))
-    settle_tiers(sched)
-    plan = sched.schedule()
+    sched, plan = admitting_plan()
     assert sched.take_pd_outbox() == []
     deltas = sched.on_result(result(plan, error="rank 0: CUDA error"), plan)
     assert finish_of(deltas, 1).finish_reason == "error"
@@ -458,10 +463,7 @@ def test_an_abort_while_waiting_releases_the_hold_at_once(hybrid, clock):
 
 
 def test_an_abort_after_the_admitting_plan_was_sent_releases_once_after_its_result(clock):
-    sched = decode_side()
-    sched.add(generate(1, 200, peer=PEER, peer_device=device()))
-    settle_tiers(sched)
-    plan = sched.schedule()
+    sched, plan = admitting_plan()
     sched.abort(1)
     assert sched.take_pd_outbox() == []  # the copy may be running: the peer keeps its hold till the result
     sched.on_result(result(plan), plan)

@@ -6,7 +6,6 @@ and the log line tools/bench_pd.py parses are checked with CPU pools.
 """
 
 import logging
-import re
 import types
 
 import pytest
@@ -15,9 +14,8 @@ import torch
 from hkv.cache.types import PeerCopy
 from hkv.engine import model_runner
 from hkv.engine.model_runner import ModelRunner, _log_peer_copies
+from tools.bench_pd import COPY_LINE
 
-LOG_LINE = re.compile(r"peer copy: (\d+) pages and their state, ([\d.]+) MiB in ([\d.]+) ms \([^;]*; pages "
-                      r"[\d.]+ ms, ([^)]*)\)")  # the pattern of tools/bench_pd.py
 
 
 class _Event:
@@ -63,7 +61,7 @@ def test_peer_copy_moves_the_pages_and_the_checkpoint(monkeypatch, caplog, src, 
     assert not runner.state.recurrent[:, [0, 2, 3]].any()
     with caplog.at_level(logging.INFO, logger=model_runner.log.name):
         _log_peer_copies(runner._peer_timings)
-    (found,) = LOG_LINE.findall(caplog.text)
+    (found,) = COPY_LINE.findall(caplog.text)
     assert int(found[0]) == len(src) and found[3].startswith(how) and "launched in" in found[3]
 
 
