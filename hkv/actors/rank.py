@@ -86,8 +86,12 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
         _share_pools(cfg, runner)
     seconds = runner.capture_graphs()
     if runner.graphs is not None:
-        log.info("CUDA graphs: %d decode buckets up to batch %d in %.1f s", len(runner.graphs.graphs),
-                 runner.graphs.max_bs, seconds)
+        log.info("CUDA graphs: %d decode buckets up to batch %d (all graphs captured in %.1f s)",
+                 len(runner.graphs.graphs), runner.graphs.max_bs, seconds)
+    if runner.prefill_graphs is not None:
+        short = runner.prefill_graphs
+        log.info("CUDA graphs: %d prefill buckets, one sequence of 1 to %d tokens (chunks up to %d replay them)",
+                 len(short.graphs), short.largest, 2 * short.largest - 1)
     verify_graphs = runner.spec.graphs if runner.spec is not None else None
     if verify_graphs is not None:
         log.info("CUDA graphs: %d verify buckets up to batch %d (%d tokens a row%s) in %.1f s",
@@ -160,6 +164,8 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         runner, pages, slots = await asyncio.to_thread(_build_runner, cfg, table)
         if cfg.cache.tiers:
             host_region = _attach_host_pool(cfg, runner)
+            if cfg.model.device == "cuda":
+                log.info("CPU tier loads warmed up in %.2f s", await asyncio.to_thread(runner.warm_tier_loads))
         inbox.start()
         uuid = ipc_uuid(runner)
         await outbox.send(RankReady(ctx.rank, pages, slots, uuid))

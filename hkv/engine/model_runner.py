@@ -6,8 +6,9 @@ sent) and never decides anything.
 
 On CUDA a step's arrays and kernel metadata go to the device in one copy (a
 StepArena), page ids are mirrored incrementally (DevicePageTable), and decode
-steps replay CUDA graphs (hkv/engine/cuda_graphs.py); prefill and mixed steps
-run eagerly over the same kind of batch. On CPU the batch is built as plain
+steps replay CUDA graphs (hkv/engine/cuda_graphs.py), so do steps of one short
+prefill chunk (hkv/engine/prefill_graphs.py); other prefill and mixed steps run
+eagerly over the same kind of batch. On CPU the batch is built as plain
 tensors and the forward runs the pure-torch references.
 """
 
@@ -24,6 +25,7 @@ from hkv.cache.types import (
     LoadPages, LoadState, PeerCopy, RestoreCheckpoint, SaveCheckpoint, StorePages, StoreState,
 )  # fmt: skip
 from hkv.engine.cuda_graphs import DecodeGraphs
+from hkv.engine.prefill_graphs import PrefillGraphs
 from hkv.engine.sampler import PendingSample, SampleRow, sample_async
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import Sampled, SamplingParams, StepPlan, StepResult
@@ -90,6 +92,7 @@ class ModelRunner:
         self.pages: DevicePageTable | None = None  # CUDA: page ids mirrored on the device
         self.arena: StepArena | None = None  # CUDA: the eager steps' metadata buffer
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None  # one-sequence short chunks (hkv/engine/prefill_graphs.py)
         self.spec = None  # hkv.engine.spec.SpecDecoder when drafting (--spec-tokens), set by its builder
         self.scratch: tuple[int, int | None] | None = None  # CUDA: the graph rows' scratch page and state slot
         self.peer_pools = None  # decode mode on CUDA: hkv.storage.ipc_pools.PeerPools, for PeerCopy ops
@@ -114,14 +117,41 @@ class ModelRunner:
         if graph_max_bs > 0 and getattr(self.model, "graph_safe", True):
             self.graphs = DecodeGraphs(self.model, self.kv, self.state, self.pages, min(graph_max_bs, seqs),
                                        self.attn_dims, scratch[1], self.page_size)
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.state, self.pages, self.attn_dims,
+                                                scratch[1], self.page_size)
 
     def capture_graphs(self) -> float:
-        """Capture the decode graphs and, when speculating, the verify graphs (start-up); returns the
-        seconds it took (0 without graphs)."""
+        """Capture the decode graphs, the short-prefill graphs and, when speculating, the verify graphs
+        (start-up); returns the seconds it took (0 without graphs). Prefill graphs that fail to capture
+        are dropped with a warning: those steps run eagerly, as before."""
         seconds = self.graphs.capture_all() if self.graphs is not None else 0.0
+        if self.prefill_graphs is not None:
+            try:
+                seconds += self.prefill_graphs.capture_all()
+            except Exception as exc:
+                log.warning("short-prefill CUDA graphs not captured (%s: %s); those steps run eagerly",
+                            type(exc).__name__, exc)
+                self.prefill_graphs = None
+                self._sync()
         if self.spec is not None and self.spec.graphs is not None:
             seconds += self.spec.graphs.capture_all()
         return seconds
+
+    def warm_tier_loads(self) -> float:
+        """Run the CPU tier's load copies once, into the scratch page and state slot, so that the first
+        tier hit does not pay for their first launch (on an H200 the first hit's step took 74 ms, the
+        next ones 10). They only read the tier (its first entries); returns the seconds it took."""
+        if self.host is None or self.scratch is None or not self.host.layout.num_pages:
+            return 0.0
+        started = time.perf_counter()
+        page, slot = self.scratch
+        with torch.inference_mode():
+            self._copy_pages(to_host=False, pages=[page], entries=[0])
+            if slot is not None and self.host.conv is not None and self.host.layout.num_states:
+                self._copy_state(to_host=False, slot=slot, entry=0)
+                self.state.zero_slot(slot)
+        self._sync()
+        return time.perf_counter() - started
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan and wait for its result; failures become a StepResult with `error` set."""
@@ -312,6 +342,9 @@ class ModelRunner:
         decode = bool((inputs.q_lens == 1).all()) and len(inputs.logits_indices) == len(inputs.q_lens)
         if self.graphs is not None and decode and self.graphs.bucket(len(inputs.q_lens)) is not None:
             return self.graphs.replay(inputs, idx, vals, self.feed)
+        parts = self.prefill_graphs.parts(inputs) if self.prefill_graphs is not None else None
+        if parts:
+            return self.prefill_graphs.replay(inputs, parts, idx, vals)
         batch, views = self.cuda_batch(inputs, idx, vals)
         self.feed(batch.input_ids, views["follow_idx"], views["follow_rows"])
         return self.model(batch, self.kv, self.state), views["sample_rows"]

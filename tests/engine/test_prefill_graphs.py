@@ -1,0 +1,141 @@
+"""Short one-sequence prefill chunks through the prefill graphs' arena and parts (replayed eagerly
+on CPU, as the decode graphs are in test_model_runner) compute what the plain CPU path computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hkv.engine.prefill_graphs import PREFILL_GRAPH_TOKENS, PrefillGraphs, buckets, parts_of
+from hkv.ipc.request_table import RequestTable, TableLayout
+from tests.engine.test_model_runner import SLOTS, Driver, _model, _runner
+
+
+def test_parts_are_the_binary_digits_within_the_buckets():
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets() == [1, 2, 4, 8, 16, 32, 64, 128] and PREFILL_GRAPH_TOKENS == 128
+    assert parts_of(64) == [64]
+    assert parts_of(100) == [64, 32, 4]
+    assert parts_of(13) == [8, 4, 1]
+    assert parts_of(255) == [128, 64, 32, 16, 8, 4, 2, 1]
+    assert parts_of(1) is None and parts_of(0) is None  # decode steps, empty chunks: not here
+    assert parts_of(256) is None and parts_of(15, largest=4) is None and parts_of(7, largest=4) == [4, 2, 1]
+    for n in range(2, 256):
+        parts = parts_of(n)
+        assert sum(parts) == n and parts == sorted(set(parts), reverse=True) and set(parts) <= set(buckets())
+
+
+# (work, new sequences, checkpoints): which plans replay which parts
+PLANS = [
+    ([(0, list(range(3, 23)))], [0], None, [16, 4]),  # a fresh 20-token prompt
+    ([(0, [11])], [], None, None),  # a decode step: the decode graphs
+    ([(0, [(5 * i) % 90 + 3 for i in range(13)])], [], None, [8, 4, 1]),  # a turn after 21 cached tokens
+    ([(2, list(range(40, 47))), (0, [9])], [2], None, None),  # two sequences: eager
+    ([(4, [(7 * i) % 96 for i in range(70)])], [4], {4: [[64, 5]]}, None),  # in-chunk checkpoint: eager
+    ([(4, [(3 * i) % 96 for i in range(36)])], [], None, [32, 4]),  # 36 tokens after 70 (40 pages in all)
+    ([(2, [1, 2])], [], None, [2]),
+]
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_short_chunks_replay_their_parts_and_match_the_cpu_path(kind, monkeypatch):
+    replays = []
+    original = PrefillGraphs.replay
+    monkeypatch.setattr(PrefillGraphs, "replay", lambda self, inputs, parts, *a: replays.append(parts)
+                        or original(self, inputs, parts, *a))
+    model = _model(kind)
+    layout = TableLayout(slots=SLOTS, max_pages=80)
+    tables = [RequestTable(layout, memoryview(bytearray(layout.nbytes()))) for _ in range(2)]
+    plain, fast = _runner(model, tables[0], False), _runner(model, tables[1], True, max_tokens=256)
+    fast.capture_graphs()
+    assert sorted(fast.prefill_graphs.batches) == buckets()
+    drivers = [Driver(t) for t in tables]
+    for work, new, checkpoints, parts in PLANS:
+        if kind == "dense" and checkpoints:
+            checkpoints, parts = None, [64, 4, 2]  # dense models keep no linear state: no checkpoint, a graph
+        before = len(replays)
+        results = [runner.execute(d.plan(work, new, checkpoints)) for runner, d in zip((plain, fast), drivers)]
+        assert results[0].error is None and results[1].error is None, results
+        assert replays[before:] == ([parts] if parts else [])
+        want, got = results[0].sampled, results[1].sampled
+        assert [s.token_id for s in got] == [s.token_id for s in want]
+        for a, b in zip(got, want):
+            assert abs(a.logprob - b.logprob) < 1e-4
+            assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
+    if kind == "hybrid":  # the live states agree (parts change only the float rounding)
+        assert torch.allclose(fast.state.recurrent[:, :SLOTS], plain.state.recurrent, atol=1e-4)
+        assert torch.allclose(fast.state.conv[:, :SLOTS], plain.state.conv, atol=1e-5)
+    for slot in (0, 2, 4):  # and so do the K/V pages every sequence wrote
+        pages = drivers[0].pages[slot]
+        assert pages == drivers[1].pages[slot]
+        assert torch.allclose(fast.kv.k[:, pages], plain.kv.k[:, pages], atol=1e-4)
+
+
+def test_a_chunk_with_fed_in_tokens_or_no_graphs_stays_eager():
+    model = _model("hybrid")
+    layout = TableLayout(slots=SLOTS, max_pages=16)
+    runner = _runner(model, RequestTable(layout, memoryview(bytearray(layout.nbytes()))), True)
+    graphs = runner.prefill_graphs
+    from hkv.engine.step_inputs import StepInputs
+    from hkv.ipc.messages import Chunk
+
+    runner.table.write_pages(0, [0, 1])
+    inputs = StepInputs.of([Chunk(0, [1, 2, 3], 0, True)], runner.table, 4, {0: 0})
+    assert graphs.parts(inputs) is None  # nothing captured yet
+    runner.capture_graphs()
+    assert graphs.parts(inputs) == [2, 1]
+    follows = StepInputs.of([Chunk(0, [1, 2, 3], 0, True, follows=True)], runner.table, 4, {0: 0})
+    assert graphs.parts(follows) is None
+
+
+def _cuda_runner(model, dtype: str, graphs: bool):
+    from hkv.engine.model_runner import ModelRunner
+    from hkv.storage.kv_pool import KVPool
+    from hkv.storage.state_pool import StatePool
+    from tests.engine.test_model_runner import PAGE, PAGES
+
+    layout = TableLayout(slots=SLOTS, max_pages=80)
+    table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
+    kv = KVPool(model.kv_layout(PAGES + 1, PAGE, dtype, "cuda"), model.layer_map)
+    state = StatePool(model.state_layout(SLOTS + 1, device="cuda"))
+    runner = ModelRunner(model, kv, state, table, PAGE, "cuda", scratch=(PAGES, SLOTS), max_tokens=256,
+                         graph_max_bs=4 if graphs else 0)
+    runner.capture_graphs()
+    return runner, Driver(table)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_replays_equal_the_eager_steps(dtype, monkeypatch):
+    """On the GPU: captured short-prefill graphs (fla-core's chunk kernels inside for bf16, the
+    recurrent kernel for fp32) give the eager forward's tokens and log-probabilities."""
+    from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+    from tests.e2e.test_cuda_launch import HYBRID
+    from tests.models.test_qwen3_5 import perturb
+
+    torch.manual_seed(3)
+    model = Qwen3_5ForCausalLM(Qwen3_5Config.from_hf({**HYBRID, "model_type": "qwen3_5_text"}))
+    perturb(model, 3)
+    model = model.to("cuda", getattr(torch, dtype)).eval()
+    model.prepare_for_device()
+    replays = []
+    original = PrefillGraphs.replay
+    monkeypatch.setattr(PrefillGraphs, "replay", lambda self, inputs, parts, *a: replays.append(parts)
+                        or original(self, inputs, parts, *a))
+    (fast, fast_driver), (eager, eager_driver) = _cuda_runner(model, dtype, True), _cuda_runner(model, dtype, False)
+    assert eager.prefill_graphs is None
+    assert sorted(fast.prefill_graphs.graphs) == buckets() and all(fast.prefill_graphs.graphs.values())
+    plans = [([(0, [(11 * i) % 1500 + 3 for i in range(120)])], [0]), ([(0, [7])], []),
+             ([(0, [(5 * i) % 1500 + 3 for i in range(13)])], []), ([(0, [9, 10])], [])]
+    tol = 1e-3 if dtype == "float32" else 0.05
+    for work, new in plans:
+        got, want = (runner.execute(d.plan(work, new)) for runner, d in ((fast, fast_driver), (eager, eager_driver)))
+        assert got.error is None and want.error is None, (got.error, want.error)
+        for a, b in zip(got.sampled, want.sampled, strict=True):
+            if a.token_id == b.token_id:
+                assert abs(a.logprob - b.logprob) < tol
+            else:  # bf16 rounding of another split may pick another near-tie, never a clearly worse token
+                near = {t.token_id: t.logprob for t in b.top_logprobs}
+                assert dtype != "float32" and a.token_id in near and b.logprob - near[a.token_id] < tol
+    assert replays == [[64, 32, 16, 8], [8, 4, 1], [2]]  # 136 tokens: 34 of the 40 pages
