@@ -129,12 +129,16 @@ def warm_up(model, cfg: HkvConfig, state) -> float:
     """Eager steps over a throwaway KV pool so that Triton compiles, and fla-core autotunes, the
     prefill kernels at start-up instead of inside the first requests' TTFT (on a fresh machine
     the first shared-prefix wave waited 48 s for that): a mixed step of WARM_UP_LENS with an
-    in-chunk checkpoint (fla's varlen path), then one prompt alone (its fixed-length path).
-    Sequences use the scratch state slot, zeroed after. Returns the seconds it took."""
+    in-chunk checkpoint (fla's varlen path), then one prompt alone (its fixed-length path), then
+    (on CUDA) one prompt of the whole step budget (its lengths specialize other kernel variants: without
+    it the first 8,192-token prompt of a server with --max-total-tokens compiled for 9 s on an
+    H200). Sequences use the scratch state slot, zeroed after. Returns the seconds it took."""
     started = time.perf_counter()
     scratch = state.num_slots - 1 if state is not None else None
     try:
         _warm_up_steps(model, cfg, state, scratch)
+        if cfg.model.device == "cuda":  # its memory counters are CUDA's
+            _activation_peak(model, cfg, state)
     finally:
         if state is not None:
             state.zero_slot(scratch)

@@ -133,6 +133,11 @@ class DevicePageTable:
             self.table.view(-1).index_copy_(0, idx, vals)
 
     def upload(self, idx: np.ndarray, vals: np.ndarray) -> None:
-        """Write pairs that did not fit a step's arena, with their own copy."""
-        pairs = torch.from_numpy(np.stack((idx, vals))).to(self.table.device, non_blocking=False)
+        """Write pairs that did not fit a step's arena, with their own copy (from pinned memory on CUDA,
+        queued on the stream: a pageable copy would wait for everything queued before it, such as a
+        tier hit's page loads)."""
+        pairs = torch.from_numpy(np.stack((idx, vals)))
+        if self.table.is_cuda:
+            pairs = pairs.pin_memory()
+        pairs = pairs.to(self.table.device, non_blocking=True)
         self.apply(pairs[0], pairs[1])

@@ -86,3 +86,30 @@ def test_a_state_copy_checks_its_indexes_and_the_drafters_parts():
     runner.host = HostPool(other.host.layout, memoryview(bytearray(other.host.layout.nbytes)))  # no ring
     with pytest.raises(ValueError, match="disagree on the drafter"):
         _ops(runner, StoreState(src_slot=0, dst_entry=0))
+
+
+def test_warm_tier_loads_reads_the_tier_into_scratch_only():
+    """The start-up warm-up of the load copies (CUDA ranks) writes only the scratch page and slot, leaves the
+    slot zeroed and the tier as it was; without a scratch page (CPU ranks) it does nothing."""
+    runner, host = _runner(4, torch.float32)
+    assert runner.warm_tier_loads() == 0.0  # a CPU runner has no scratch page
+    gen = torch.Generator().manual_seed(9)
+    for t in (host.kv_layers, host.conv, host.recurrent):  # views of one space (entries may share bytes)
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+
+    def tier_bytes():
+        return [t.contiguous().view(torch.uint8).clone() for t in (host.kv_layers, host.conv, host.recurrent)]
+
+    tier_before = tier_bytes()
+    kv = runner.kv.layers_view()
+    kv.copy_(torch.randn(kv.shape, generator=gen).to(kv.dtype))
+    pages_before = kv.clone()
+    runner.state.conv.fill_(float("nan"))
+    runner.scratch = (3, 4)  # what a CUDA rank passes: one page and one slot the router never hands out
+    assert runner.warm_tier_loads() >= 0.0
+    assert all(torch.equal(t, b) for t, b in zip(tier_bytes(), tier_before))
+    as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+    assert torch.equal(as_bytes(kv[:, 3]), as_bytes(host.kv_layers[:, 0]))  # the scratch page took entry 0
+    assert torch.equal(as_bytes(kv[:, :3]), as_bytes(pages_before[:, :3]))  # and no other page changed
+    assert not runner.state.conv[:, 4].any() and not runner.state.recurrent[:, 4].any()
+    assert torch.isnan(runner.state.conv[:, :4]).all()  # no other slot touched
