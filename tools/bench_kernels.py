@@ -386,8 +386,31 @@ def bench_sweep() -> None:
         row(f"sweep_gdn_decode{tile}", "B64 Hk16 Hv32", ms, gbytes=2 * 64 * 32 * 128 * 128 * 4 / GB)
 
 
+# the benchmark model's projections per decode step: (name, N, K, GEMMs per step)
+DECODE_GEMMS = [("gdn_in_proj", 12352, 2048, 18), ("gdn_out_proj", 2048, 4096, 18), ("attn_qkv", 9216, 2048, 6),
+                ("attn_o_proj", 2048, 4096, 6), ("mlp_gate_up", 12288, 2048, 24), ("mlp_down", 2048, 6144, 24),
+                ("lm_head", 151936, 2048, 1)]
+
+
+def bench_gemm() -> None:
+    """cuBLAS (F.linear) on the benchmark model's decode projections at M = 1, 32, 64: where a decode
+    step's GEMM time goes (the N = 2,048 shapes run split-K kernels far below copy bandwidth)."""
+    totals: dict[int, float] = {}
+    for rows in (1, 32, 64):
+        for name, n, k, count in DECODE_GEMMS:
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            ms = bench(lambda: F.linear(x, w))
+            row(f"gemm_{name}", f"M{rows} N{n} K{k} x{count}", ms, gbytes=(n * k + rows * (n + k)) * 2 / GB)
+            totals[rows] = totals.get(rows, 0.0) + count * ms
+            del w, x
+    for rows, ms in sorted(totals.items()):
+        print(f"decode step GEMMs, M{rows}: {ms:.3f} ms (each timed alone, L2 flushed)", flush=True)
+        ROWS.append(dict(kernel="gemm_step_total", shape=f"M{rows}", ms=ms))
+
+
 SECTIONS = {
-    "sweep": bench_sweep,
+    "sweep": bench_sweep, "gemm": bench_gemm,
     "decode": bench_decode_attention, "prefill": bench_prefill_attention, "gdn_prefill": bench_gdn_prefill,
     "gdn_decode": bench_gdn_decode, "conv": bench_conv1d, "copy": bench_cache_copies, "fused": bench_fused_ops,
 }
