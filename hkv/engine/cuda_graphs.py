@@ -139,14 +139,7 @@ class DecodeGraphs:
         b = self.bucket(n)
         arrays = self._padded(inputs, b)
         arrays.update(sample_rows=inputs.sample_rows, follow_idx=inputs.follow_idx, follow_rows=inputs.follow_rows)
-        fits = len(idx) <= self.table_room
-        if not fits:
-            self.pages.upload(idx, vals)
-        else:
-            arrays["table_idx"], arrays["table_val"] = idx, vals
-        views = self.arena.pack(arrays, self.layout)
-        if fits:
-            self.pages.apply(views["table_idx"][: len(idx)], views["table_val"][: len(vals)])
+        views = self.pages.pack(self.arena, arrays, self.layout, idx, vals)
         follows = len(inputs.follow_idx)
         feed(self.batches[b].input_ids, views["follow_idx"][:follows], views["follow_rows"][:follows])
         graph = self.graphs[b]

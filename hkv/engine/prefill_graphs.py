@@ -165,14 +165,7 @@ class PrefillGraphs:
             done += t
             arrays.update(self._varying(t, inputs.input_ids[part], inputs.positions[part], inputs.slot_mapping[part],
                                         start + done, row, state_slot))
-        fits = len(idx) <= self.table_room
-        if not fits:
-            self.pages.upload(idx, vals)
-        else:
-            arrays["table_idx"], arrays["table_val"] = idx, vals
-        views = self.arena.pack(arrays, self.layout)
-        if fits:
-            self.pages.apply(views["table_idx"][: len(idx)], views["table_val"][: len(vals)])
+        views = self.pages.pack(self.arena, arrays, self.layout, idx, vals)
         for t in parts:
             graph = self.graphs[t]
             if graph is None:

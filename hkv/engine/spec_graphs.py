@@ -256,14 +256,7 @@ class VerifyGraphs:
         inputs = StepInputs.of(rows, r.table, r.page_size, r.state_slots)
         idx, vals = r.pages.updates(inputs, r.table, r.page_size)
         arrays = self._forward_arrays(rows, inputs, b)
-        fits = len(idx) <= self.table_room
-        if fits:
-            arrays["table_idx"], arrays["table_val"] = idx, vals
-        else:
-            r.pages.upload(idx, vals)
-        views = self.arena.pack(arrays, self.layout)
-        if fits:
-            r.pages.apply(views["table_idx"][: len(idx)], views["table_val"][: len(vals)])
+        r.pages.pack(self.arena, arrays, self.layout, idx, vals)
         forward, drafting = self.graphs[b]
         self._replay(forward, lambda: self._forward(b, self.batches[b]))
         if self.ring and all(self._plain_greedy(c) for c in rows):

@@ -22,6 +22,7 @@ import torch
 from hkv.ipc.messages import Chunk
 from hkv.ipc.request_table import RequestTable
 from hkv_kernels.gdn import GDN_CHUNK
+from hkv_kernels.meta import StepArena
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,21 @@ class DevicePageTable:
         """Write the pairs `updates` returned (device tensors from the step's arena)."""
         if idx.numel():
             self.table.view(-1).index_copy_(0, idx, vals)
+
+    def pack(self, arena: StepArena, arrays: dict[str, np.ndarray], layout: dict[str, tuple[int, int]],
+             idx: np.ndarray, vals: np.ndarray) -> dict[str, torch.Tensor]:
+        """A graph step's arena pack with the step's page-table pairs: in the arena's `table_idx` /
+        `table_val` fields when they fit (one copy for both), else through `upload`; applied either way."""
+        room = layout["table_idx"][1]
+        fits = len(idx) <= room
+        if fits:
+            arrays = {**arrays, "table_idx": idx, "table_val": vals}
+        else:
+            self.upload(idx, vals)
+        views = arena.pack(arrays, layout)
+        if fits:
+            self.apply(views["table_idx"][: len(idx)], views["table_val"][: len(vals)])
+        return views
 
     def upload(self, idx: np.ndarray, vals: np.ndarray) -> None:
         """Write pairs that did not fit a step's arena, with their own copy (from pinned memory on CUDA,
