@@ -165,7 +165,10 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         if cfg.cache.tiers:
             host_region = _attach_host_pool(cfg, runner)
             if cfg.model.device == "cuda":
-                log.info("CPU tier loads warmed up in %.2f s", await asyncio.to_thread(runner.warm_tier_loads))
+                try:
+                    log.info("CPU tier loads warmed up in %.2f s", await asyncio.to_thread(runner.warm_tier_loads))
+                except Exception as exc:  # the first tier hit pays for their first launch instead
+                    log.warning("CPU tier load warm-up failed (%s: %s)", type(exc).__name__, exc)
         inbox.start()
         uuid = ipc_uuid(runner)
         await outbox.send(RankReady(ctx.rank, pages, slots, uuid))

@@ -9,7 +9,8 @@ the router never hands out, so they compute garbage no one reads.
     arena   [ input_ids(max_bs) | positions | slot_mapping | ... ]   fixed layout
     bucket b reads the first b entries of every field; logits[:B] are the step's
 
-Prefill and mixed steps run eagerly. Speculative verify steps (k + 1 tokens per
+A step of one short prefill chunk replays graphs of its own (hkv.engine.prefill_graphs); other
+prefill and mixed steps run eagerly. Speculative verify steps (k + 1 tokens per
 sequence) have their own graphs in the same scheme: hkv.engine.spec_graphs.
 """
 

@@ -330,8 +330,9 @@ class ModelRunner:
 
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """The plan's forward: logits [S, vocab] of its sampling chunks and their request-table
-        rows [S] on the device (a graph replay for decode steps that fit a captured bucket, an
-        eager forward otherwise). Fed-in tokens (Chunk.follows) come from `last_tokens`."""
+        rows [S] on the device (a graph replay for decode steps that fit a captured bucket,
+        graph replays of its parts for one short prefill chunk, an eager forward otherwise).
+        Fed-in tokens (Chunk.follows) come from `last_tokens`."""
         inputs = StepInputs.of(plan.chunks, self.table, self.page_size,
                                self.state_slots if self.state is not None else None)
         if self.pages is None:

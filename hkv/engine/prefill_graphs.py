@@ -16,6 +16,9 @@ step packs every part with one host-to-device copy, then replays. The state a pa
 slot is the next part's start, as between the chunks of a long prompt: the result equals the
 unsplit chunk up to float rounding (the models' state contract, hkv/models/qwen3_5.py).
 
+Each part reads every weight once (about 1 ms on an H200 for the 2 B benchmark model), so a chunk
+of k parts costs k such forwards: still far below the host time of one eager forward there.
+
 Why: an eager step costs host time per launch (an eager forward of the benchmark model issues
 about 600 kernels; docs/benchmarks.md), so a 64-token step after a long hit was host-bound: on an
 H200 the CPU-tier hit of issue 13 went from 50 ms to 21 ms of TTFT with these graphs. Steps with
@@ -36,7 +39,7 @@ from hkv.models.batch import ForwardBatch
 from hkv_kernels.meta import StepArena, attention_tile, kernel_meta, meta_arrays
 
 log = logging.getLogger("hkv.rank")
-PREFILL_GRAPH_TOKENS = 128  # the largest bucket; buckets are the powers of two from 2 up to it
+PREFILL_GRAPH_TOKENS = 128  # the largest bucket; buckets are the powers of two from 1 up to it
 _FIXED = ("q_start", "q_len", "cu_seqlens", "logits_indices", "attn_block_seq", "attn_block_tok",
           "conv_block_seq", "conv_block_tok", "fla_chunk_indices", "fla_chunk_offsets")
 _VARYING = ("input_ids", "positions", "slot_mapping", "kv_len", "table_rows", "state_slots")
@@ -63,6 +66,15 @@ class PrefillGraphs:
         self.model, self.kv, self.state, self.pages = model, kv, state, pages
         self.page_size: int = page_size
         self.scratch_slot: int | None = scratch_slot
+        if largest < 1 or largest & (largest - 1):
+            raise ValueError(f"the largest prefill graph bucket must be a power of two, got {largest}")
+        # no bucket longer than a page-table row or the rope table reaches (the capture reads both)
+        context = pages.max_pages * page_size
+        positions = getattr(getattr(model, "rotary", None), "max_positions", 0)
+        if positions:
+            context = min(context, positions)
+        while largest > max(1, context):
+            largest //= 2
         self.largest: int = largest
         self.attn_dims = attn_dims
         self.sizes: list[int] = buckets(largest)

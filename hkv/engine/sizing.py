@@ -11,7 +11,8 @@ shared prefixes evict each other's checkpoints while the KV pool sat mostly empt
 
 The activation peak is measured: one eager forward of the step token budget over a
 throwaway pool, with the allocator's peak counter reset. The graphs' share is a
-reserve (the static logits of the largest bucket plus headroom), logged with the rest.
+reserve (the static logits of the largest bucket plus headroom: the short-prefill graphs'
+pool, one sequence of at most 128 tokens, lives in that headroom), logged with the rest.
 Explicit --max-total-tokens skips all of this.
 """
 
@@ -130,15 +131,16 @@ def warm_up(model, cfg: HkvConfig, state) -> float:
     prefill kernels at start-up instead of inside the first requests' TTFT (on a fresh machine
     the first shared-prefix wave waited 48 s for that): a mixed step of WARM_UP_LENS with an
     in-chunk checkpoint (fla's varlen path), then one prompt alone (its fixed-length path), then
-    (on CUDA) one prompt of the whole step budget (its lengths specialize other kernel variants: without
+    (on CUDA, when the KV pool is not sized from memory, which runs it anyway) one prompt of
+    --chunked-prefill-size tokens (its lengths specialize other kernel variants: without
     it the first 8,192-token prompt of a server with --max-total-tokens compiled for 9 s on an
     H200). Sequences use the scratch state slot, zeroed after. Returns the seconds it took."""
     started = time.perf_counter()
     scratch = state.num_slots - 1 if state is not None else None
     try:
         _warm_up_steps(model, cfg, state, scratch)
-        if cfg.model.device == "cuda":  # its memory counters are CUDA's
-            _activation_peak(model, cfg, state)
+        if cfg.model.device == "cuda" and cfg.cache.num_pages is not None:
+            _activation_peak(model, cfg, state)  # (sizing from memory runs it next anyway)
     finally:
         if state is not None:
             state.zero_slot(scratch)

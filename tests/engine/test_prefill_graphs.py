@@ -139,3 +139,82 @@ def test_cuda_graph_replays_equal_the_eager_steps(dtype, monkeypatch):
                 near = {t.token_id: t.logprob for t in b.top_logprobs}
                 assert dtype != "float32" and a.token_id in near and b.logprob - near[a.token_id] < tol
     assert replays == [[64, 32, 16, 8], [8, 4, 1], [2]]  # 136 tokens: 34 of the 40 pages
+
+
+def _pair(model, pages: int, max_pages: int, largest: int | None = None):
+    """A plain CPU runner and a device-path one over `pages` pages each, with their drivers."""
+    from hkv.engine.model_runner import ModelRunner
+    from hkv.storage.kv_pool import KVPool
+    from hkv.storage.state_pool import StatePool
+    from tests.engine.test_model_runner import PAGE
+
+    out = []
+    for device_path in (False, True):
+        layout = TableLayout(slots=SLOTS, max_pages=max_pages)
+        table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
+        kv = KVPool(model.kv_layout(pages + 1, PAGE, "float32", "cpu"), model.layer_map)
+        state_layout = model.state_layout(SLOTS + 1, device="cpu")
+        state = StatePool(state_layout) if state_layout is not None else None
+        runner = ModelRunner(model, kv, state, table, PAGE, "cpu", scratch=(pages, SLOTS if state else None),
+                             max_tokens=512, graph_max_bs=4 if device_path else 0, device_metadata=device_path)
+        if device_path and largest is not None:
+            runner.prefill_graphs = PrefillGraphs(model, kv, state, runner.pages, runner.attn_dims,
+                                                  SLOTS if state else None, PAGE, largest=largest)
+        runner.capture_graphs()
+        driver = Driver(table)
+        driver.free = list(range(pages))[::-1]
+        out.append((runner, driver))
+    return out
+
+
+def _same(results):
+    assert results[0].error is None and results[1].error is None, results
+    want, got = results[0].sampled, results[1].sampled
+    assert [s.token_id for s in got] == [s.token_id for s in want]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_a_turn_after_a_prefix_hit_uploads_its_pages_and_a_long_chunk_uses_every_bucket(kind, monkeypatch):
+    """A new sequence that starts after a prefix hit sends its whole page-table row up (more pairs than the
+    arena's table room: DevicePageTable.upload); a chunk that does not sample returns no rows; a 200-token
+    chunk replays the 128-token bucket."""
+    from hkv.engine.step_inputs import DevicePageTable
+    from hkv.ipc.messages import Chunk, StepPlan
+    from tests.engine.test_model_runner import PAGE
+
+    uploads, replays = [], []
+    original_upload, original_replay = DevicePageTable.upload, PrefillGraphs.replay
+    monkeypatch.setattr(DevicePageTable, "upload", lambda self, idx, vals: uploads.append(len(idx))
+                        or original_upload(self, idx, vals))
+    monkeypatch.setattr(PrefillGraphs, "replay", lambda self, inputs, parts, *a: replays.append(parts)
+                        or original_replay(self, inputs, parts, *a))
+    model = _model(kind)
+    pair = _pair(model, pages=60, max_pages=60, largest=8)  # table room: 2 * 8 / 4 + 2 = 6 pages
+    assert pair[1][0].prefill_graphs.table_room == 6
+    prompt = [(13 * i) % 90 + 3 for i in range(40)]
+    _same([r.execute(d.plan([(0, prompt)], [0])) for r, d in pair])  # 40 tokens: eager (above 15)
+    for runner, driver in pair:  # slot 3 hits slot 0's first 8 pages (32 tokens), as a radix hit would
+        driver.pages[3] = list(driver.pages[0][:8])
+        driver.done[3] = 8 * PAGE
+        runner.table.write_pages(3, driver.pages[3])
+    _same([r.execute(d.plan([(3, [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19])], [3])) for r, d in pair])
+    assert replays == [[8, 4, 1]] and uploads and uploads[0] > 6  # its 12 pages went up on their own
+    results = []
+    for runner, driver in pair:  # a chunk that does not sample (a long prompt's middle): no rows back
+        chunk = driver.plan([(3, [20, 21, 22, 23, 24])], []).chunks[0]  # pages appended as the router would
+        results.append(runner.execute(StepPlan(driver.step, [], [Chunk(3, chunk.token_ids, chunk.start_pos,
+                                                                       False)], [])))
+    assert all(r.error is None and r.sampled == [] for r in results) and replays[-1] == [4, 1]
+    big = _pair(model, pages=60, max_pages=60)
+    _same([r.execute(d.plan([(1, [(3 * i) % 90 + 3 for i in range(200)])], [1])) for r, d in big])
+    assert replays[-1] == [128, 64, 8]
+
+
+def test_buckets_stop_at_the_context_a_row_covers():
+    """No bucket longer than a page-table row (the capture reads the scratch row that far) or the rope table."""
+    model = _model("dense")  # max_position_embeddings 256
+    short = _pair(model, pages=8, max_pages=10)[1][0]  # rows of 10 pages x 4 tokens: 40 positions
+    assert short.prefill_graphs.largest == 32 and sorted(short.prefill_graphs.batches) == buckets(32)
+    with pytest.raises(ValueError, match="power of two"):
+        PrefillGraphs(model, short.kv, None, short.pages, short.attn_dims, None, 4, largest=100)

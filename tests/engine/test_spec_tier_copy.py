@@ -105,6 +105,8 @@ def test_warm_tier_loads_reads_the_tier_into_scratch_only():
     kv.copy_(torch.randn(kv.shape, generator=gen).to(kv.dtype))
     pages_before = kv.clone()
     runner.state.conv.fill_(float("nan"))
+    runner.state.recurrent.copy_(torch.randn(runner.state.recurrent.shape, generator=gen))
+    recurrent = runner.state.recurrent[:, :4].clone()  # slot 4 is the scratch slot, the pool's last
     runner.scratch = (3, 4)  # what a CUDA rank passes: one page and one slot the router never hands out
     assert runner.warm_tier_loads() >= 0.0
     assert all(torch.equal(t, b) for t, b in zip(tier_bytes(), tier_before))
@@ -112,4 +114,4 @@ def test_warm_tier_loads_reads_the_tier_into_scratch_only():
     assert torch.equal(as_bytes(kv[:, 3]), as_bytes(host.kv_layers[:, 0]))  # the scratch page took entry 0
     assert torch.equal(as_bytes(kv[:, :3]), as_bytes(pages_before[:, :3]))  # and no other page changed
     assert not runner.state.conv[:, 4].any() and not runner.state.recurrent[:, 4].any()
-    assert torch.isnan(runner.state.conv[:, :4]).all()  # no other slot touched
+    assert torch.isnan(runner.state.conv[:, :4]).all() and torch.equal(runner.state.recurrent[:, :4], recurrent)
