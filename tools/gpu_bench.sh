@@ -75,8 +75,9 @@ if wants train; then  # issue 18: the built-in model, trained here; $OUT/tiny-hy
 fi
 if wants launch || wants launch-only; then
   tests=(tests/e2e/test_cuda_launch.py)
-  wants launch && tests+=(tests/kernels/test_chunk_checkpoints.py tests/kernels/test_gdn.py tests/kernels/test_dispatch.py)
-  say "CUDA launch test (graphs, planning ahead, fp32 parity and bf16 logprobs against transformers); fla's in-chunk states"
+  wants launch && tests+=(tests/kernels/test_chunk_checkpoints.py tests/kernels/test_gdn.py tests/kernels/test_dispatch.py
+                         tests/engine/test_prefill_graphs.py)
+  say "CUDA launch test (graphs, planning ahead, fp32 parity and bf16 logprobs against transformers); fla's in-chunk states; short-prefill graphs against eager steps"
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
 fi

@@ -126,11 +126,17 @@ class ModelRunner:
         are dropped with a warning: those steps run eagerly, as before."""
         seconds = self.graphs.capture_all() if self.graphs is not None else 0.0
         if self.prefill_graphs is not None:
+            stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
             try:
                 seconds += self.prefill_graphs.capture_all()
             except Exception as exc:
+                # a capture that fails inside torch.cuda.graph raises again from capture_end, which skips
+                # restoring the stream: put it back, and name the first error
+                if stream is not None:
+                    torch.cuda.set_stream(stream)
+                first = exc.__context__ or exc
                 log.warning("short-prefill CUDA graphs not captured (%s: %s); those steps run eagerly",
-                            type(exc).__name__, exc)
+                            type(first).__name__, first)
                 self.prefill_graphs = None
                 self._sync()
         if self.spec is not None and self.spec.graphs is not None:

@@ -218,3 +218,26 @@ def test_buckets_stop_at_the_context_a_row_covers():
     assert short.prefill_graphs.largest == 32 and sorted(short.prefill_graphs.batches) == buckets(32)
     with pytest.raises(ValueError, match="power of two"):
         PrefillGraphs(model, short.kv, None, short.pages, short.attn_dims, None, 4, largest=100)
+
+
+def test_a_failed_capture_leaves_those_steps_eager(monkeypatch, caplog):
+    """A short-prefill capture that raises drops those graphs with a warning naming the first error;
+    the decode graphs stay and the step still runs (eagerly) and samples."""
+    model = _model("hybrid")
+    layout = TableLayout(slots=SLOTS, max_pages=16)
+    table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
+    runner = _runner(model, table, True)
+
+    def broken(self):
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        except RuntimeError:
+            raise RuntimeError("capture_end failed") from None
+
+    monkeypatch.setattr(PrefillGraphs, "capture_all", broken)
+    with caplog.at_level("WARNING", logger="hkv.rank"):
+        runner.capture_graphs()
+    assert runner.prefill_graphs is None and sorted(runner.graphs.graphs) == [1, 2, 4]
+    assert "short-prefill CUDA graphs not captured (RuntimeError: operation not permitted" in caplog.text
+    result = runner.execute(Driver(table).plan([(0, [3, 4, 5, 6, 7])], [0]))
+    assert result.error is None and len(result.sampled) == 1
