@@ -102,6 +102,7 @@ def _read_stats(name: str) -> dict[str, Any]:
         radix["cached_tokens"] = radix["cached_pages"] * page_size
     steps = {k: values[k] for k in ("steps", "step_wall_s", "forward_s", "prefill_tokens", "decode_tokens",
                                     "preemptions", "waiting", "running", "flushes")}
+    steps["graph_steps"] = {kind: int(values[f"graph_steps_{kind}"]) for kind in stats.GRAPH_KINDS}
     gpu = {"cached_tokens_served": int(values["cached_tokens_gpu"])}
     if page_size:
         reachable = int(values["radix_reachable_pages"]) * page_size
@@ -185,6 +186,11 @@ def _print_instance(report: dict[str, Any], as_json: bool) -> None:
         for node in nodes:
             print(f"    checkpoint at {node['tokens']} tokens in state slot {node['slot']}"
                   f"{' (pinned)' if node['pinned'] else ''}")
+    if "steps" in report:
+        steps = dict(report["steps"])
+        graphs = steps.pop("graph_steps", {})
+        print("  steps         " + " ".join(f"{k}={v:g}" for k, v in steps.items()) + " graph_steps "
+              + " ".join(f"{k}={v}" for k, v in graphs.items()))
     for tier, info in report.get("tiers", {}).items():
         shown = {k: v for k, v in info.items() if not isinstance(v, dict)}
         print(f"  tier {tier:<8} " + " ".join(f"{k}={v}" for k, v in shown.items()))

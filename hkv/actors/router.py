@@ -365,6 +365,8 @@ class Router:
             # a verify chunk's drafts are neither prompt nor recompute: they count as the tokens they become
             "prefill_tokens": sum(len(c.token_ids) - c.drafts for c in plan.chunks) - sampled,
         })
+        if 0 < result.graph <= len(stats.GRAPH_KINDS):  # a rank's value: anything else counts as eager
+            self.stats.add(f"graph_steps_{stats.GRAPH_KINDS[result.graph - 1]}", 1)
         self.record_pools()
         self.record_radix(force=False)
         if self.debug:

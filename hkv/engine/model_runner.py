@@ -28,7 +28,9 @@ from hkv.engine.cuda_graphs import DecodeGraphs
 from hkv.engine.prefill_graphs import PrefillGraphs
 from hkv.engine.sampler import PendingSample, SampleRow, sample_async
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
-from hkv.ipc.messages import Sampled, SamplingParams, StepPlan, StepResult
+from hkv.ipc.messages import (
+    STEP_DECODE_GRAPH, STEP_EAGER, STEP_SHORT_PREFILL_GRAPHS, Sampled, SamplingParams, StepPlan, StepResult,
+)  # fmt: skip
 from hkv.ipc.request_table import RequestTable
 from hkv.models.batch import ForwardBatch
 from hkv_kernels.cache_copy.runs import MAX_RUNS, copy_runs, page_runs
@@ -61,6 +63,7 @@ class Launched:
     error: str | None = None
     spec_out: list[Sampled] | None = None  # speculative decoding: the step's answers, already on the host
     peer_timings: list | None = None  # CUDA events around its peer copies (logged once it is answered)
+    graph: int = STEP_EAGER  # how its forward ran (StepResult.graph)
 
     def done(self) -> bool:
         """The device finished it (its sampled ids are on the host)."""
@@ -97,6 +100,7 @@ class ModelRunner:
         self.scratch: tuple[int, int | None] | None = None  # CUDA: the graph rows' scratch page and state slot
         self.peer_pools = None  # decode mode on CUDA: hkv.storage.ipc_pools.PeerPools, for PeerCopy ops
         self._peer_timings: list[tuple] = []  # CUDA events around this plan's peer copies, logged at its finish
+        self.last_graph: int = STEP_EAGER  # how the last forward ran (STEP_*)
         # the CUDA path's arena, mirrored page table and decode buckets; tests also take it on CPU
         if self.device.type == "cuda" if device_metadata is None else device_metadata:
             self._init_cuda(scratch, max_tokens, graph_max_bs)
@@ -179,7 +183,8 @@ class ModelRunner:
                 self._reset_fresh_states(plan)
                 if self.spec is not None:
                     out = self.spec.run(plan)
-                    return Launched(plan, [s.slot for s in out], None, started, spec_out=out)
+                    return Launched(plan, [s.slot for s in out], None, started, spec_out=out,
+                                    graph=self.spec.last_graph)
                 logits, sample_rows = self.forward(plan)  # [S, vocab], [S]
                 rows = [SampleRow(self.sampling[c.slot], c.start_pos + len(c.token_ids))
                         for c in plan.chunks if c.sample]
@@ -188,7 +193,8 @@ class ModelRunner:
                     self.last_tokens.index_copy_(0, sample_rows, pending.ids)
         except Exception as exc:  # a failed step fails its requests, not the rank
             return Launched(plan, [], None, started, f"{type(exc).__name__}: {exc}")
-        return Launched(plan, [c.slot for c in plan.chunks if c.sample], pending, started, peer_timings=timings)
+        return Launched(plan, [c.slot for c in plan.chunks if c.sample], pending, started, peer_timings=timings,
+                        graph=self.last_graph)
 
     def finish(self, launched: "Launched") -> StepResult:
         """Wait for a launched plan's sampled ids (only they, and requested logprobs, come back)."""
@@ -196,13 +202,14 @@ class ModelRunner:
         if launched.error is not None:
             return StepResult(plan.step, [], 0.0, launched.error)
         if launched.spec_out is not None:
-            return StepResult(plan.step, launched.spec_out, time.perf_counter() - launched.started)
+            return StepResult(plan.step, launched.spec_out, time.perf_counter() - launched.started,
+                              graph=launched.graph)
         outs = launched.sample.outputs() if launched.sample is not None else []
         forward_s = time.perf_counter() - launched.started
         if launched.peer_timings:
             _log_peer_copies(launched.peer_timings)
         sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(launched.slots, outs)]
-        return StepResult(plan.step, sampled, forward_s)
+        return StepResult(plan.step, sampled, forward_s, graph=launched.graph)
 
     def _take_membership(self, plan: StepPlan) -> None:
         for slot in plan.freed:
@@ -339,6 +346,7 @@ class ModelRunner:
         rows [S] on the device (a graph replay for decode steps that fit a captured bucket,
         graph replays of its parts for one short prefill chunk, an eager forward otherwise).
         Fed-in tokens (Chunk.follows) come from `last_tokens`."""
+        self.last_graph = STEP_EAGER
         inputs = StepInputs.of(plan.chunks, self.table, self.page_size,
                                self.state_slots if self.state is not None else None)
         if self.pages is None:
@@ -348,9 +356,11 @@ class ModelRunner:
         idx, vals = self.pages.updates(inputs, self.table, self.page_size)
         decode = bool((inputs.q_lens == 1).all()) and len(inputs.logits_indices) == len(inputs.q_lens)
         if self.graphs is not None and decode and self.graphs.bucket(len(inputs.q_lens)) is not None:
+            self.last_graph = STEP_DECODE_GRAPH
             return self.graphs.replay(inputs, idx, vals, self.feed)
         parts = self.prefill_graphs.parts(inputs) if self.prefill_graphs is not None else None
         if parts:
+            self.last_graph = STEP_SHORT_PREFILL_GRAPHS
             return self.prefill_graphs.replay(inputs, parts, idx, vals)
         batch, views = self.cuda_batch(inputs, idx, vals)
         self.feed(batch.input_ids, views["follow_idx"], views["follow_rows"])

@@ -38,7 +38,7 @@ import torch
 from hkv.engine.sampler import SampleRow, sample
 from hkv.engine.spec_verify import verify
 from hkv.engine.step_inputs import StepInputs
-from hkv.ipc.messages import Chunk, Emitted, Sampled, StepPlan
+from hkv.ipc.messages import STEP_EAGER, STEP_VERIFY_GRAPHS, Chunk, Emitted, Sampled, StepPlan
 from hkv.models.batch import ForwardBatch
 from hkv.models.mtp import DraftRow, Drafter, DraftSpec, DraftStore
 from hkv_kernels.dispatch import copy_blocks
@@ -114,6 +114,7 @@ class SpecDecoder:
         self.keep_base = keep_base
         self.propose: Proposer | None = OracleProposer(oracle) if oracle else None
         self.graphs = None  # hkv.engine.spec_graphs.VerifyGraphs: verify steps replayed from CUDA graphs
+        self.last_graph: int = STEP_EAGER  # how the last step ran (every row replayed: STEP_VERIFY_GRAPHS)
 
     def keep_slot(self, row: int, t: int) -> int:
         return self.keep_base + row * (self.k + 1) + t
@@ -132,6 +133,7 @@ class SpecDecoder:
         if graphed:
             drafted, out = self.graphs.run(graphed)
         eager = [c for c in chunks if c.slot not in out]  # out holds every graph row (drafted or not)
+        self.last_graph = STEP_VERIFY_GRAPHS if graphed and not eager else STEP_EAGER  # StepResult.graph
         plain = [c for c in eager if c.drafts == 0]
         checking = [c for c in eager if c.drafts > 0]
         if plain:

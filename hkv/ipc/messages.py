@@ -344,6 +344,11 @@ class Sampled(msgspec.Struct, frozen=True, array_like=True):
     proposals: list[int] = []  # the drafter's proposals for the positions after the last emitted token
 
 
+# How a step's forward ran (StepResult.graph): eagerly (every CPU step, and a speculative step only partly
+# replayed), or replayed from CUDA graphs; hkv.ipc.stats.GRAPH_KINDS[g - 1] names graph kind g
+STEP_EAGER, STEP_DECODE_GRAPH, STEP_SHORT_PREFILL_GRAPHS, STEP_VERIFY_GRAPHS = 0, 1, 2, 3
+
+
 class StepResult(msgspec.Struct, frozen=True, tag="result"):
     """What a rank produced for one StepPlan."""
 
@@ -352,6 +357,7 @@ class StepResult(msgspec.Struct, frozen=True, tag="result"):
     forward_s: float  # seconds inside the model forward alone (overhead = step time minus this)
     error: str | None = None  # set when the step failed; the router fails the step's requests
     malformed: int = 0  # plans this rank dropped since start because they did not decode (link rank_in)
+    graph: int = STEP_EAGER  # STEP_*: how the forward ran
 
 
 class RankReady(msgspec.Struct, frozen=True, tag="ready"):

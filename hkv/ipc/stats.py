@@ -13,7 +13,8 @@ import numpy as np
 from hkv.engine.validate import MAX_SPEC_TOKENS
 
 REGION = "router_stats"
-VERSION = 5  # 5: cached_tokens_peer
+GRAPH_KINDS = ("decode", "short_prefill", "verify")  # StepResult.graph 1, 2, 3 (hkv.ipc.messages.STEP_*)
+VERSION = 6  # 5: cached_tokens_peer; 6: graph_steps_*
 
 FIELDS = (
     "steps",  # steps run
@@ -49,6 +50,9 @@ FIELDS = (
     "malformed_router_results",  # counter: rank results dropped (undecodable, or not answering the plan)
     "malformed_rank_in",  # counter: plans rank 0 dropped (undecodable), as its results report
     "failed_steps",  # counter: steps whose result carried an error
+    # counters: steps replayed from CUDA graphs, by kind: a decode graph, the parts' graphs of one short
+    # prefill chunk, verify graphs (every row of a speculative step)
+    *(f"graph_steps_{kind}" for kind in GRAPH_KINDS),
     "spec_tokens",  # constant: --spec-tokens (0: not speculating; /metrics then has no hkv_spec_*)
     "spec_verified",  # counter: draft tokens the target verified (speculative decoding)
     "spec_accepted",  # counter: ... of them accepted

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from hkv.ipc.messages import EngineState
+from hkv.ipc.stats import GRAPH_KINDS
 from hkv.openai.generation import Generation
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -61,6 +62,11 @@ class _EngineStatsCollector:
         yield pools
         if values["spec_tokens"] > 0:
             yield from _speculative(values)
+        graphs = CounterMetricFamily("hkv_engine_graph_steps", "Steps replayed from CUDA graphs, by graph kind",
+                                     labels=["kind"])
+        for kind in GRAPH_KINDS:
+            graphs.add_metric([kind], values[f"graph_steps_{kind}"])
+        yield graphs
         hits = CounterMetricFamily("hkv_cache_hit_tokens", "Prompt tokens served from the cache, by tier",
                                    labels=["tier"])
         for tier in ("gpu", "cpu", "disk", "peer"):

@@ -42,7 +42,8 @@ TOKEN = 5
 @dataclass
 class FakeRank:
     """Answers each plan: `mode` "ok" samples TOKEN, "fail" fails the step, "bad" samples a token past the
-    vocabulary, "hold" answers only once `release` is set."""
+    vocabulary, "hold" answers only once `release` is set, "graphs" samples TOKEN and reports the step as
+    replayed from graph kind step % 5 (4: no kind there is)."""
 
     inbox: DgramReceiver
     outbox: DgramSender
@@ -64,7 +65,9 @@ class FakeRank:
         if self.mode == "fail":
             return StepResult(plan.step, [], 0.0, "RuntimeError: the device is on fire")
         token = 10**6 if self.mode == "bad" else TOKEN
-        return StepResult(plan.step, [Sampled(c.slot, token, None, None) for c in plan.chunks if c.sample], 0.0)
+        graph = plan.step % 5 if self.mode == "graphs" else 0
+        return StepResult(plan.step, [Sampled(c.slot, token, None, None) for c in plan.chunks if c.sample], 0.0,
+                          graph=graph)
 
 
 @dataclass
@@ -220,3 +223,15 @@ async def test_state_slots_sized_by_the_rank_are_what_the_coordinator_hands_out(
         assert (await env.finished(1))[1].finish_reason == "length"
     async with router(cache={"hybrid": True, "checkpoint_interval": 64, "state_slots": 24}, ready_slots=24) as env:
         assert env.stats.read()["state_slots_total"] == 24  # an explicit --state-slots is the count
+
+
+async def test_steps_are_counted_by_the_graph_kind_their_rank_reports():
+    async with router("graphs") as env:
+        for req_id in (1, 2, 3):
+            await env.generate(req_id, [7, 8, 9], max_tokens=4)
+            await env.finished(req_id)
+        values = env.stats.read()
+        kinds = [p.step % 5 for p in env.rank.plans]
+        assert [values[f"graph_steps_{k}"] for k in stats.GRAPH_KINDS] == [kinds.count(g) for g in (1, 2, 3)]
+        assert sum(kinds.count(g) for g in (1, 2, 3)) > 0  # some steps of each run replayed
+        assert values["steps"] == len(env.rank.plans)  # a value past the kinds (4) counted as a step only

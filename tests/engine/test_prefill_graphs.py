@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hkv.engine.prefill_graphs import PREFILL_GRAPH_TOKENS, PrefillGraphs, buckets, parts_of
+from hkv.ipc.messages import STEP_DECODE_GRAPH, STEP_EAGER, STEP_SHORT_PREFILL_GRAPHS
 from hkv.ipc.request_table import RequestTable, TableLayout
 from tests.engine.test_model_runner import SLOTS, Driver, _model, _runner
 
@@ -57,6 +58,9 @@ def test_short_chunks_replay_their_parts_and_match_the_cpu_path(kind, monkeypatc
         results = [runner.execute(d.plan(work, new, checkpoints)) for runner, d in zip((plain, fast), drivers)]
         assert results[0].error is None and results[1].error is None, results
         assert replays[before:] == ([parts] if parts else [])
+        decode = all(len(tokens) == 1 for _, tokens in work)
+        assert results[0].graph == STEP_EAGER  # how each step ran, as the router counts it
+        assert results[1].graph == (STEP_SHORT_PREFILL_GRAPHS if parts else STEP_DECODE_GRAPH if decode else STEP_EAGER)
         want, got = results[0].sampled, results[1].sampled
         assert [s.token_id for s in got] == [s.token_id for s in want]
         for a, b in zip(got, want):

@@ -18,7 +18,7 @@ from hkv.engine import spec
 from hkv.engine.model_runner import ModelRunner
 from hkv.engine.sampler import SampleRow
 from hkv.engine.spec_verify import verify
-from hkv.ipc.messages import GenerateRequest, SamplingParams
+from hkv.ipc.messages import STEP_EAGER, STEP_VERIFY_GRAPHS, GenerateRequest, SamplingParams
 from hkv.models.batch import ForwardBatch
 from hkv.models.loader import load_model
 from hkv.models.tiny import builtin_folder
@@ -60,6 +60,7 @@ class Engine:
             assert self.spec.graphs is not None
             self.runner.capture_graphs()
         self.window = window
+        self.graph_kinds: list[int] = []  # StepResult.graph of every step run
 
     def run(self, requests, on_step=None, limit=500):
         out: dict[int, list[int]] = {r.req_id: [] for r in requests}
@@ -73,6 +74,7 @@ class Engine:
                 continue
             result = self.runner.execute(plan)
             assert result.error is None, result.error
+            self.graph_kinds.append(result.graph)
             for d in self.sched.on_result(result, plan):
                 out[d.req_id].extend(d.token_ids)
             self.sched.coord.check_integrity()
@@ -167,6 +169,8 @@ def test_controlled_drafters_keep_every_state_the_run_without_them_has(model, wi
     assert got == expected
     if graphs:  # the decode steps went through the graphs' buffers (three requests, 23 tokens, <= 4 a step)
         assert engine.spec.graphs.rows_run >= 3 * 23 // 4
+        assert STEP_VERIFY_GRAPHS in engine.graph_kinds  # whole steps replayed, as the router counts them
+    assert set(engine.graph_kinds) <= {STEP_EAGER, STEP_VERIFY_GRAPHS} and (graphs or set(engine.graph_kinds) == {0})
     s = engine.sched
     assert checked, "no step compared the draft state"
     if drafter == "oracle":

@@ -34,3 +34,9 @@ def test_coverage_without_tiers_is_the_device_alone():
     text = render(engine_values(page_size=16, pages_cached=2, radix_reachable_pages=2), None)
     assert 'hkv_cache_held_tokens{tier="gpu"} 32.0' in text and 'held_tokens{tier="cpu"}' not in text
     assert "hkv_cache_held_tokens" in render(None, None)  # families exist before the engine reports
+
+
+def test_graph_steps_by_kind():
+    text = render(engine_values(graph_steps_decode=7, graph_steps_short_prefill=2), None)
+    for kind, n in (("decode", 7), ("short_prefill", 2), ("verify", 0)):
+        assert f'hkv_engine_graph_steps_total{{kind="{kind}"}} {float(n)}' in text

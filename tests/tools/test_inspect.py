@@ -116,3 +116,18 @@ def test_a_prefill_or_decode_instance_shows_its_transporter_block(instance, caps
         out = capsys.readouterr().out
         assert "pd            mode=decode address=tcp://127.0.0.1:5555 runs_held=0 links=1 frames accepted=7 replay=1" in out
         assert "fetches_ok=3 pages_received=40" in out
+
+
+def test_steps_show_how_many_replayed_graphs_by_kind(instance, capsys):
+    from hkv.ipc import stats
+
+    with Registry.create(instance, capacity=4) as registry, \
+            ShmRegion.create(instance, stats.REGION, stats.NBYTES, "router") as region:
+        registry.add(stats.REGION, "router", stats.VERSION, {"fields": list(stats.FIELDS)})
+        block = stats.RouterStats(region.payload)
+        block.add_many({"steps": 12, "graph_steps_decode": 9, "graph_steps_short_prefill": 2})
+        block.release_views()
+        steps = inspect_instance(instance)["steps"]
+        assert steps["steps"] == 12 and steps["graph_steps"] == {"decode": 9, "short_prefill": 2, "verify": 0}
+        assert main(["--name", instance]) == 0
+        assert "graph_steps decode=9 short_prefill=2 verify=0" in capsys.readouterr().out
