@@ -37,6 +37,7 @@ from hkv.ipc import json_block, request_table, stats
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.dgram import DgramReceiver, DgramSender
 from hkv.ipc.messages import (
+    CACHE_TIERS,
     ENGINE_HEARTBEAT_S,
     AbortRequest,
     CacheFlushed,
@@ -234,14 +235,16 @@ class Router:
         elif isinstance(msg, FlushCache):
             self._pending_flushes.append(msg.flush_id)
         elif isinstance(msg, PdFetched):
-            self.timeline.mark(self.scheduler.fetching_request(msg.fetch_id), "fetched")
+            if self.timeline.enabled:  # (the lookups only serve --log-request-times)
+                self.timeline.mark(self.scheduler.fetching_request(msg.fetch_id), "fetched")
             self.scheduler.on_pd_fetched(msg)
         elif isinstance(msg, PdHoldRelease):
             self.scheduler.release_peer_hold(msg.hold_id)
         elif self.tiers is None:
             log.warning("ignoring a tier message without tiers: %r", msg)
         elif isinstance(msg, TierFound):
-            self.timeline.mark(self.tiers.waiting_lookups.get(msg.lookup_id), "tier")
+            if self.timeline.enabled:
+                self.timeline.mark(self.tiers.waiting_lookups.get(msg.lookup_id), "tier")
             self.scheduler.on_tier_found(msg)
         elif isinstance(msg, TierReserved):
             self.scheduler.on_tier_reserved(msg)
@@ -426,10 +429,7 @@ class Router:
                 tiers = delta.cache_tiers or {}
                 self.stats.add_many({
                     "requests_cached_tokens": delta.cached_tokens,
-                    "cached_tokens_gpu": tiers.get("gpu", 0),
-                    "cached_tokens_cpu": tiers.get("cpu", 0),
-                    "cached_tokens_disk": tiers.get("disk", 0),
-                    "cached_tokens_peer": tiers.get("peer", 0),
+                    **{f"cached_tokens_{t}": tiers.get(t, 0) for t in CACHE_TIERS},
                 })
         if deltas:
             self.timeline.published(deltas)

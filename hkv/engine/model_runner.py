@@ -44,12 +44,11 @@ log = logging.getLogger("hkv.rank")
 
 def _log_peer_copies(timings: list) -> None:
     """A plan's peer copies ran (its result is in): how fast (tools/bench_pd.py reads these lines)."""
-    for start, pages_done, end, pages, runs, nbytes, host_s in timings:
+    for start, pages_done, end, pages, how, nbytes, host_s in timings:
         ms = start.elapsed_time(end)
         log.info("peer copy: %d pages and their state, %.1f MiB in %.3f ms (%.1f GB/s; pages %.3f ms, %s, "
                  "launched in %.3f ms)", pages, nbytes / 2**20, ms, nbytes / ms / 1e6 if ms > 0 else 0.0,
-                 start.elapsed_time(pages_done),
-                 f"{runs} run{'s' if runs != 1 else ''}" if runs <= MAX_RUNS else "copy_blocks", host_s * 1e3)
+                 start.elapsed_time(pages_done), how, host_s * 1e3)
 
 
 @dataclass
@@ -100,7 +99,6 @@ class ModelRunner:
         self.scratch: tuple[int, int | None] | None = None  # CUDA: the graph rows' scratch page and state slot
         self.peer_pools = None  # decode mode on CUDA: hkv.storage.ipc_pools.PeerPools, for PeerCopy ops
         self._peer_timings: list[tuple] = []  # CUDA events around this plan's peer copies, logged at its finish
-        self.last_graph: int = STEP_EAGER  # how the last forward ran (STEP_*)
         # the CUDA path's arena, mirrored page table and decode buckets; tests also take it on CPU
         if self.device.type == "cuda" if device_metadata is None else device_metadata:
             self._init_cuda(scratch, max_tokens, graph_max_bs)
@@ -182,10 +180,9 @@ class ModelRunner:
                     return Launched(plan, [], None, started)
                 self._reset_fresh_states(plan)
                 if self.spec is not None:
-                    out = self.spec.run(plan)
-                    return Launched(plan, [s.slot for s in out], None, started, spec_out=out,
-                                    graph=self.spec.last_graph)
-                logits, sample_rows = self.forward(plan)  # [S, vocab], [S]
+                    out, graph = self.spec.run(plan)
+                    return Launched(plan, [s.slot for s in out], None, started, spec_out=out, graph=graph)
+                logits, sample_rows, graph = self.forward(plan)  # [S, vocab], [S], how it ran
                 rows = [SampleRow(self.sampling[c.slot], c.start_pos + len(c.token_ids))
                         for c in plan.chunks if c.sample]
                 pending = sample_async(logits, rows)
@@ -194,7 +191,7 @@ class ModelRunner:
         except Exception as exc:  # a failed step fails its requests, not the rank
             return Launched(plan, [], None, started, f"{type(exc).__name__}: {exc}")
         return Launched(plan, [c.slot for c in plan.chunks if c.sample], pending, started, peer_timings=timings,
-                        graph=self.last_graph)
+                        graph=graph)
 
     def finish(self, launched: "Launched") -> StepResult:
         """Wait for a launched plan's sampled ids (only they, and requested logprobs, come back)."""
@@ -278,7 +275,8 @@ class ModelRunner:
         nbytes = len(op.src_pages) * kv[:, 0].numel() * kv.element_size()
         if op.src_slot is not None:
             nbytes += sum(t[:, 0].numel() * t.element_size() for t in (self.state.conv, self.state.recurrent))
-        self._peer_timings.append((*timing, len(op.src_pages), len(runs), nbytes, host_s))
+        how = "copy_blocks" if idx is not None else f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
+        self._peer_timings.append((*timing, len(op.src_pages), how, nbytes, host_s))
 
 
     def _indexes(self, *lists: list[int]) -> torch.Tensor:
@@ -341,30 +339,27 @@ class ModelRunner:
             if chunk.start_pos == 0:
                 self.state.zero_slot(self.state_slots[chunk.slot])
 
-    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plan's forward: logits [S, vocab] of its sampling chunks and their request-table
-        rows [S] on the device (a graph replay for decode steps that fit a captured bucket,
-        graph replays of its parts for one short prefill chunk, an eager forward otherwise).
-        Fed-in tokens (Chunk.follows) come from `last_tokens`."""
-        self.last_graph = STEP_EAGER
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The plan's forward: logits [S, vocab] of its sampling chunks, their request-table rows [S]
+        on the device, and how it ran (StepResult.graph): a graph replay for decode steps that fit a
+        captured bucket, graph replays of its parts for one short prefill chunk, an eager forward
+        otherwise. Fed-in tokens (Chunk.follows) come from `last_tokens`."""
         inputs = StepInputs.of(plan.chunks, self.table, self.page_size,
                                self.state_slots if self.state is not None else None)
         if self.pages is None:
             batch = self.cpu_batch(inputs)
             self.feed(batch.input_ids, torch.from_numpy(inputs.follow_idx), torch.from_numpy(inputs.follow_rows))
-            return self.model(batch, self.kv, self.state), torch.from_numpy(inputs.sample_rows)
+            return self.model(batch, self.kv, self.state), torch.from_numpy(inputs.sample_rows), STEP_EAGER
         idx, vals = self.pages.updates(inputs, self.table, self.page_size)
         decode = bool((inputs.q_lens == 1).all()) and len(inputs.logits_indices) == len(inputs.q_lens)
         if self.graphs is not None and decode and self.graphs.bucket(len(inputs.q_lens)) is not None:
-            self.last_graph = STEP_DECODE_GRAPH
-            return self.graphs.replay(inputs, idx, vals, self.feed)
+            return *self.graphs.replay(inputs, idx, vals, self.feed), STEP_DECODE_GRAPH
         parts = self.prefill_graphs.parts(inputs) if self.prefill_graphs is not None else None
         if parts:
-            self.last_graph = STEP_SHORT_PREFILL_GRAPHS
-            return self.prefill_graphs.replay(inputs, parts, idx, vals)
+            return *self.prefill_graphs.replay(inputs, parts, idx, vals), STEP_SHORT_PREFILL_GRAPHS
         batch, views = self.cuda_batch(inputs, idx, vals)
         self.feed(batch.input_ids, views["follow_idx"], views["follow_rows"])
-        return self.model(batch, self.kv, self.state), views["sample_rows"]
+        return self.model(batch, self.kv, self.state), views["sample_rows"], STEP_EAGER
 
     def feed(self, input_ids: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
         """input_ids[idx[i]] = the token row rows[i] sampled last (a device gather, no wait)."""

@@ -114,14 +114,14 @@ class SpecDecoder:
         self.keep_base = keep_base
         self.propose: Proposer | None = OracleProposer(oracle) if oracle else None
         self.graphs = None  # hkv.engine.spec_graphs.VerifyGraphs: verify steps replayed from CUDA graphs
-        self.last_graph: int = STEP_EAGER  # how the last step ran (every row replayed: STEP_VERIFY_GRAPHS)
 
     def keep_slot(self, row: int, t: int) -> int:
         return self.keep_base + row * (self.k + 1) + t
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> list[Sampled]:
-        """Forward, verify, adopt, commit and draft; the Sampled of every sampling chunk, in plan order."""
+    def run(self, plan: StepPlan) -> tuple[list[Sampled], int]:
+        """Forward, verify, adopt, commit and draft; the Sampled of every sampling chunk, in plan order, and
+        how the step ran (StepResult.graph: STEP_VERIFY_GRAPHS when every row replayed)."""
         chunks = plan.chunks
         if isinstance(self.propose, OracleProposer):
             self.propose.observe(plan)
@@ -133,7 +133,6 @@ class SpecDecoder:
         if graphed:
             drafted, out = self.graphs.run(graphed)
         eager = [c for c in chunks if c.slot not in out]  # out holds every graph row (drafted or not)
-        self.last_graph = STEP_VERIFY_GRAPHS if graphed and not eager else STEP_EAGER  # StepResult.graph
         plain = [c for c in eager if c.drafts == 0]
         checking = [c for c in eager if c.drafts > 0]
         if plain:
@@ -161,7 +160,8 @@ class SpecDecoder:
         for c in graphed:
             if c.slot in drafted:
                 by_slot[c.slot] = self._sampled(c, out[c.slot], drafted[c.slot])
-        return [by_slot[c.slot] for c in chunks if c.sample]
+        graph = STEP_VERIFY_GRAPHS if graphed and not eager else STEP_EAGER
+        return [by_slot[c.slot] for c in chunks if c.sample], graph
 
     def row(self, c: Chunk, position: int | None = None) -> SampleRow:
         """The sampling row of a chunk's first emitted token (or of `position`)."""

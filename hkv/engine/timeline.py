@@ -19,7 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 
-from hkv.ipc.messages import StepPlan, StepResult, TokenDelta
+from hkv.ipc.messages import CACHE_TIERS, StepPlan, StepResult, TokenDelta
 
 log = logging.getLogger("hkv.timeline")
 
@@ -76,7 +76,7 @@ class Timeline:
     def line(delta: TokenDelta, rec: tuple[float, int, dict[str, tuple[float, str]]]) -> str:
         _, prompt_len, stages = rec
         tiers = delta.cache_tiers or {}
-        cached = " ".join(f"{t} {tiers.get(t, 0)}" for t in ("gpu", "cpu", "disk", "peer"))
+        cached = " ".join(f"{t} {tiers.get(t, 0)}" for t in CACHE_TIERS)
         times = ", ".join(f"{name} {at * 1e3:.1f} ms" + (f" ({detail})" if detail else "")
                           for name, (at, detail) in stages.items())
         return f"request {delta.req_id}: {prompt_len} prompt tokens, cached {cached}; {times}"

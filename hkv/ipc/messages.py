@@ -87,6 +87,9 @@ class PeerHold(msgspec.Struct, frozen=True, array_like=True):
     slot: int | None
 
 
+CACHE_TIERS = ("gpu", "cpu", "disk", "peer")  # where a prompt's cached tokens came from (TokenDelta.cache_tiers)
+
+
 class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
     """New tokens of one sequence in one step, and its end when it ends."""
 
@@ -97,7 +100,7 @@ class TokenDelta(msgspec.Struct, frozen=True, array_like=True):
     finish_reason: str | None  # "stop" (EOS), "length", "abort" or "error"; None while running
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the cache, all tiers
-    cache_tiers: dict[str, int] | None = None  # {"gpu": n, "cpu": n, "disk": n, "peer": n} on finish
+    cache_tiers: dict[str, int] | None = None  # {tier: n} for every tier of CACHE_TIERS, on finish
     error: str | None = None  # human-readable reason when finish_reason == "error"
     peer_hold: PeerHold | None = None  # prefill mode, on a for_peer finish: the prefix held for the peer
 

@@ -12,11 +12,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hkv.ipc.messages import TokenDelta, TopLogprob
+from hkv.ipc.messages import CACHE_TIERS, TokenDelta, TopLogprob
 from hkv.openai.detok import Decoder, IncrementalDetokenizer, StopMatcher
 from hkv.openai.protocol import SequencePlan
 
-CACHE_TIERS = ("gpu", "cpu", "disk", "peer")
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from hkv.ipc.messages import EngineState
+from hkv.ipc.messages import CACHE_TIERS, EngineState
 from hkv.ipc.stats import GRAPH_KINDS
 from hkv.openai.generation import Generation
 
@@ -69,7 +69,7 @@ class _EngineStatsCollector:
         yield graphs
         hits = CounterMetricFamily("hkv_cache_hit_tokens", "Prompt tokens served from the cache, by tier",
                                    labels=["tier"])
-        for tier in ("gpu", "cpu", "disk", "peer"):
+        for tier in CACHE_TIERS:
             hits.add_metric([tier], values[f"cached_tokens_{tier}"])
         yield hits
         for name, doc, key in (("hkv_radix_nodes", "Radix tree nodes", "radix_nodes"),

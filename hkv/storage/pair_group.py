@@ -97,7 +97,6 @@ class PairGroup:
         except (RuntimeError, ValueError, dist.DistError) as exc:
             raise PairGroupError(f"the pair group did not form: {exc}") from None
         self.store: dist.TCPStore | None = store  # the pair's rendezvous, until close
-        self.rank, self.backend = rank, backend
         self.peer = 1 - rank
 
     def close(self) -> None:

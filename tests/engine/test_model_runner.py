@@ -36,15 +36,18 @@ def _model(kind: str) -> torch.nn.Module:
     return model.eval()
 
 
-def _runner(model, table: RequestTable, device_metadata: bool, max_tokens: int = 64) -> ModelRunner:
+def _runner(model, table: RequestTable, device_metadata: bool, max_tokens: int = 64, pages: int = PAGES,
+            device: str = "cpu", dtype: str = "float32", graphs: bool | None = None) -> ModelRunner:
+    """A runner over `pages` pages (plus the scratch one on the device path); graphs (default: the device
+    path) captures decode and short-prefill buckets, replayed eagerly off CUDA."""
     extra = 1 if device_metadata else 0
-    kv = KVPool(model.kv_layout(PAGES + extra, PAGE, "float32", "cpu"), model.layer_map)
-    layout = model.state_layout(SLOTS + extra, device="cpu")
+    kv = KVPool(model.kv_layout(pages + extra, PAGE, dtype, device), model.layer_map)
+    layout = model.state_layout(SLOTS + extra, device=device)
     state = StatePool(layout) if layout is not None else None
-    scratch = (PAGES, SLOTS if state is not None else None)
-    return ModelRunner(model, kv, state, table, PAGE, "cpu", scratch=scratch if device_metadata else None,
-                       max_tokens=max_tokens, graph_max_bs=4 if device_metadata else 0,
-                       device_metadata=device_metadata)
+    scratch = (pages, SLOTS if state is not None else None)
+    graphs = device_metadata if graphs is None else graphs
+    return ModelRunner(model, kv, state, table, PAGE, device, scratch=scratch if device_metadata else None,
+                       max_tokens=max_tokens, graph_max_bs=4 if graphs else 0, device_metadata=device_metadata)
 
 
 class Driver:

@@ -93,17 +93,9 @@ def test_a_chunk_with_fed_in_tokens_or_no_graphs_stays_eager():
 
 
 def _cuda_runner(model, dtype: str, graphs: bool):
-    from hkv.engine.model_runner import ModelRunner
-    from hkv.storage.kv_pool import KVPool
-    from hkv.storage.state_pool import StatePool
-    from tests.engine.test_model_runner import PAGE, PAGES
-
     layout = TableLayout(slots=SLOTS, max_pages=80)
     table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-    kv = KVPool(model.kv_layout(PAGES + 1, PAGE, dtype, "cuda"), model.layer_map)
-    state = StatePool(model.state_layout(SLOTS + 1, device="cuda"))
-    runner = ModelRunner(model, kv, state, table, PAGE, "cuda", scratch=(PAGES, SLOTS), max_tokens=256,
-                         graph_max_bs=4 if graphs else 0)
+    runner = _runner(model, table, True, max_tokens=256, device="cuda", dtype=dtype, graphs=graphs)
     runner.capture_graphs()
     return runner, Driver(table)
 
@@ -147,23 +139,16 @@ def test_cuda_graph_replays_equal_the_eager_steps(dtype, monkeypatch):
 
 def _pair(model, pages: int, max_pages: int, largest: int | None = None):
     """A plain CPU runner and a device-path one over `pages` pages each, with their drivers."""
-    from hkv.engine.model_runner import ModelRunner
-    from hkv.storage.kv_pool import KVPool
-    from hkv.storage.state_pool import StatePool
     from tests.engine.test_model_runner import PAGE
 
     out = []
     for device_path in (False, True):
         layout = TableLayout(slots=SLOTS, max_pages=max_pages)
         table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-        kv = KVPool(model.kv_layout(pages + 1, PAGE, "float32", "cpu"), model.layer_map)
-        state_layout = model.state_layout(SLOTS + 1, device="cpu")
-        state = StatePool(state_layout) if state_layout is not None else None
-        runner = ModelRunner(model, kv, state, table, PAGE, "cpu", scratch=(pages, SLOTS if state else None),
-                             max_tokens=512, graph_max_bs=4 if device_path else 0, device_metadata=device_path)
+        runner = _runner(model, table, device_path, max_tokens=512, pages=pages)
         if device_path and largest is not None:
-            runner.prefill_graphs = PrefillGraphs(model, kv, state, runner.pages, runner.attn_dims,
-                                                  SLOTS if state else None, PAGE, largest=largest)
+            runner.prefill_graphs = PrefillGraphs(model, runner.kv, runner.state, runner.pages, runner.attn_dims,
+                                                  runner.scratch[1], PAGE, largest=largest)
         runner.capture_graphs()
         driver = Driver(table)
         driver.free = list(range(pages))[::-1]
