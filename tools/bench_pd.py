@@ -20,6 +20,9 @@ decode instance's transfer (a waking GPU and the launch run inside the timed
 window). `--loaded-rounds` then sends more prompts while `--background`
 streams keep the decode instance decoding, as a decode instance in service
 is: its copy is queued behind the step before it, like the back-to-back copy.
+The streams ask `--background-tokens` each, enough that none ends (and its
+next prompt's prefill shares the GPU) during those rounds; the JSON counts
+any that did (`background_restarts`).
 """
 
 from __future__ import annotations
@@ -160,10 +163,10 @@ def run(args) -> dict:
             print(f"round {r}: TTFT through the master {ttft_pd * 1e3:.1f} ms, one instance {ttft_one * 1e3:.1f} "
                   f"ms; peer tokens {(pd_out['usage'] or {}).get('cache', {}).get('peer')}; same output "
                   f"{rounds[-1]['same_output']}", flush=True)
-        loaded = []
+        loaded, ended = [], 0
         if args.loaded_rounds:
             stop, done = threading.Event(), []
-            streams = [threading.Thread(target=_background, args=(8200, stop, args.vocab, 1000 + i, 512, done),
+            streams = [threading.Thread(target=_background, args=(8200, stop, args.vocab, 1000 + i, args.background_tokens, done),
                                         daemon=True) for i in range(args.background)]
             for t in streams:
                 t.start()
@@ -174,6 +177,7 @@ def run(args) -> dict:
                 loaded.append({"ttft_pd_s": ttft})
                 print(f"loaded round {r}: TTFT through the master {ttft * 1e3:.1f} ms beside {args.background} "
                       f"decoding streams", flush=True)
+            ended = len(done)  # streams that ended (and started again) inside the loaded rounds
             stop.set()
             for t in streams:
                 t.join(60)
@@ -213,7 +217,8 @@ def run(args) -> dict:
     doc = {"prompt_tokens": args.prompt_tokens, "pages": pages, "bytes": nbytes, "device_copy_gbps": copy_gbps,
            "device_copy_after_idle_gbps": idle_copy_gbps, "copies": copies, "copied_as": how,
            "timelines": timelines, "rounds": rounds[1:],
-           "loaded_rounds": loaded, "background_streams": args.background if loaded else 0}
+           "loaded_rounds": loaded, "background_streams": args.background if loaded else 0,
+           "background_restarts": ended}
     for tag, cs, base in (("idle", idle_copies, idle_copy_gbps), ("loaded", loaded_copies, copy_gbps)):
         if not cs:
             continue
@@ -228,7 +233,8 @@ def run(args) -> dict:
           f"{doc['idle_ratio']:.2f}, to the back-to-back copy {doc['idle_ratio_to_back_to_back']:.2f}")
     if loaded_copies:
         print(f"transfer beside {args.background} decoding streams: {doc['loaded_peer_copy_ms']:.3f} ms = "
-              f"{doc['loaded_peer_copy_gbps']:.1f} GB/s; ratio to the back-to-back copy {doc['loaded_ratio']:.2f}")
+              f"{doc['loaded_peer_copy_gbps']:.1f} GB/s; ratio to the back-to-back copy {doc['loaded_ratio']:.2f} "
+              f"({ended} background streams ended and started again during those rounds)")
     for key in ("ttft_pd_s", "ttft_single_s"):
         doc[f"mean_{key}"] = sum(r[key] for r in rounds[1:]) / max(1, len(rounds) - 1)
     print(f"mean TTFT: through the master {doc['mean_ttft_pd_s'] * 1e3:.1f} ms, one instance "
@@ -248,6 +254,9 @@ def parse_args(argv=None):
                    help="prompts sent while --background streams decode (default: 2; 0: none)")
     p.add_argument("--background", type=int, default=6,
                    help="decoding streams through the master during the loaded rounds (default: 6; the instances run at most 8 requests)")
+    p.add_argument("--background-tokens", type=positive_int, default=4096,
+                   help="tokens each background stream asks for (default: 4096: long enough that no stream ends, "
+                        "and its next prompt's prefill shares the GPU, during the loaded rounds)")
     p.add_argument("--vocab", type=int, default=151936, help="prompt ids are drawn from [3, vocab) (default: 151936)")
     p.add_argument("--cpu-cache-gb", type=float, default=2.0, help="CPU tier of the PD pair (default: 2)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")

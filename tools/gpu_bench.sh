@@ -184,8 +184,8 @@ if wants spec-tiny; then
   merge tiny
 fi
 if wants pd-test; then  # issue 15: prefill and decode on one GPU, device to device (CUDA IPC), fp32 parity
-  say "PD on one GPU: tests/e2e/test_cuda_pd.py"
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs -s --timeout=380 tests/e2e/test_cuda_pd.py \
+  say "PD on one GPU: the captured peer copy against eager copies, tests/e2e/test_cuda_pd.py"
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs -s --timeout=380 tests/engine/test_peer_copy_graphs.py tests/e2e/test_cuda_pd.py \
     2>&1 | grep -v "weights:" | tail -12 | tee -a "$LOG"
 fi
 if wants pd-bench; then  # issue 15: a 32k-token prompt's transfer against a device copy; TTFT against one instance
@@ -194,7 +194,7 @@ if wants pd-bench; then  # issue 15: a 32k-token prompt's transfer against a dev
     tests/kernels/test_cache_copy.py 2>&1 | tail -4 | tee -a "$LOG"
   timeout 200 python3 -m tools.bench_kernels --only copy --json "$OUT/copy_kernels.json" 2>&1 | tail -12 | tee -a "$LOG"
   say "PD bench: tools/bench_pd.py on the benchmark model"
-  timeout 500 python3 -m tools.bench_pd --model "$MODEL" --prompt-tokens "${PD_TOKENS:-32768}" --rounds "${PD_ROUNDS:-2}" \
+  timeout 500 python3 -m tools.bench_pd --model "$MODEL" --prompt-tokens "${PD_TOKENS:-32768}" --rounds "${PD_ROUNDS:-4}" --loaded-rounds 4 \
     --json "$OUT/pd.json" 2>&1 | tail -14 | tee -a "$LOG"
 fi
 if wants decode; then

@@ -108,6 +108,11 @@ def _share_pools(cfg: HkvConfig, runner: ModelRunner) -> None:
     conv, recurrent = (state.conv, state.recurrent) if state is not None else (None, None)
     if cfg.server.mode == "decode":
         runner.peer_pools = ipc_pools.PeerPools(runner.device, runner.kv.layers_view(), conv, recurrent)
+        if cfg.model.cuda_graph_max_bs > 0:  # graphs on (not --no-cuda-graph): a transfer is one launch
+            from hkv.engine.peer_copy_graphs import PeerCopyGraphs
+
+            max_pages = min(runner.kv.num_pages, runner.pages.max_pages if runner.pages is not None else 1 << 30)
+            runner.peer_graphs = PeerCopyGraphs(runner.kv.layers_view(), conv, recurrent, max_pages)
         return
     path = os.path.join(cfg.run_dir, ipc_pools.POOLS_FILE)
     fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

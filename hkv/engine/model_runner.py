@@ -98,6 +98,7 @@ class ModelRunner:
         self.spec = None  # hkv.engine.spec.SpecDecoder when drafting (--spec-tokens), set by its builder
         self.scratch: tuple[int, int | None] | None = None  # CUDA: the graph rows' scratch page and state slot
         self.peer_pools = None  # decode mode on CUDA: hkv.storage.ipc_pools.PeerPools, for PeerCopy ops
+        self.peer_graphs = None  # with CUDA graphs: hkv.engine.peer_copy_graphs.PeerCopyGraphs for those copies
         self._peer_timings: list[tuple] = []  # CUDA events around this plan's peer copies, logged at its finish
         # the CUDA path's arena, mirrored page table and decode buckets; tests also take it on CPU
         if self.device.type == "cuda" if device_metadata is None else device_metadata:
@@ -253,31 +254,38 @@ class ModelRunner:
                                             and 0 <= op.dst_slot < self.state.num_slots):
             raise IndexError("a peer copy names a state slot outside the pools")
         kv = self.kv.layers_view()
-        runs = page_runs(op.src_pages, op.dst_pages)
-        # few runs (a fresh prompt's pages are consecutive on both sides): a strided copy each, a cheap launch;
-        # many: one copy_blocks launch, its index upload queued before the timed window
+        # one captured graph (hkv/engine/peer_copy_graphs.py), its index upload queued before the timed window
+        captured = self.peer_graphs.prepare(op.pools, peer, op.src_pages, op.dst_pages, op.src_slot, op.dst_slot) \
+            if self.peer_graphs is not None else None  # (replay, its bucket) or None: copied below
+        runs = page_runs(op.src_pages, op.dst_pages) if captured is None else []
+        # else few runs (a fresh prompt's pages are consecutive on both sides): a strided copy each, a cheap
+        # launch; many: one copy_blocks launch, its index upload queued before the timed window
         idx = self._indexes(op.src_pages, op.dst_pages) if len(runs) > MAX_RUNS else None
         # the copy's own device time: the events go around the copies
         timing = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         timing[0].record()
         launch_started = time.perf_counter()  # host time inside the window: the GPU may wait on it
-        if idx is not None:
-            copy_blocks(peer["kv"], kv, idx[0], idx[1])
+        if captured is not None:
+            captured[0]()  # pages and state in one launch: the pages' time is the whole transfer's
+            timing[1].record()
         else:
-            copy_runs(peer["kv"], kv, runs)
-        timing[1].record()
-        if op.src_slot is not None:  # one slot of each state tensor: one run each, launched while the pages copy
-            # (copy_blocks for the recurrent state measured slower in the served step: its Python launch)
-            for src, dst in ((peer["conv"], self.state.conv), (peer["recurrent"], self.state.recurrent)):
-                copy_runs(src, dst, [(op.src_slot, op.dst_slot, 1)])
+            if idx is not None:
+                copy_blocks(peer["kv"], kv, idx[0], idx[1])
+            else:
+                copy_runs(peer["kv"], kv, runs)
+            timing[1].record()
+            if op.src_slot is not None:  # one slot of each state tensor: one run each, launched while the pages copy
+                # (copy_blocks for the recurrent state measured slower in the served step: its Python launch)
+                for src, dst in ((peer["conv"], self.state.conv), (peer["recurrent"], self.state.recurrent)):
+                    copy_runs(src, dst, [(op.src_slot, op.dst_slot, 1)])
         timing[2].record()
         host_s = time.perf_counter() - launch_started
         nbytes = len(op.src_pages) * kv[:, 0].numel() * kv.element_size()
         if op.src_slot is not None:
             nbytes += sum(t[:, 0].numel() * t.element_size() for t in (self.state.conv, self.state.recurrent))
-        how = "copy_blocks" if idx is not None else f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
+        how = f"graph of {captured[1]} pages" if captured is not None else "copy_blocks" if idx is not None else \
+            f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
         self._peer_timings.append((*timing, len(op.src_pages), how, nbytes, host_s))
-
 
     def _indexes(self, *lists: list[int]) -> torch.Tensor:
         """The index lists as one [n, M] int64 tensor on the device: one host-to-device transfer."""
