@@ -1,6 +1,6 @@
 """A pair process group between a prefill rank and a decode rank, and a prompt's pages through it in large messages.
 
-The building block of the NCCL path of docs/pd.md ("Not built yet"): NCCL
+The first building block of the NCCL path of docs/pd.md ("Not built yet"): NCCL
 between two GPUs, gloo between two CPU processes (CI runs this code over
 gloo). Not yet wired into the ranks.
 

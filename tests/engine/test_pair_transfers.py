@@ -1,0 +1,158 @@
+"""PairTransfers (hkv/engine/pair_transfers.py) over gloo: this process is the decode rank, spawned processes
+are prefill ranks; an mp queue stands in for the control message that names the group's prefix."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from hkv.engine import pair_transfers
+from hkv.engine.pair_transfers import PairTransfers, PairTransferError
+
+pytestmark = pytest.mark.timeout(120)
+
+KV = [[(3, 10, 5), (20, 0, 2)], [(1, 2, 1)]]  # per pool: (peer page, own page, pages)
+KV2 = [[(30, 15, 4)], [(3, 0, 1)]]
+KV3 = [[(0, 25, 1)], [(0, 3, 1)]]
+
+
+def _pools(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 40, 2, 2, 6, generator=gen).to(torch.bfloat16),  # KV storage layers x pages
+            torch.randn(3, 4, 2, 5, 5, generator=gen)]  # recurrent state: layers x slots, fp32
+
+
+def _prefill(orders: mp.Queue, results: mp.Queue, timeout_s: float) -> None:
+    """Send what each order names ((id, address, prefix, runs)); None ends; "die" exits without sending."""
+    sender = PairTransfers(_pools(1), "gloo", "127.0.0.1", timeout_s)
+    results.put("ready")
+    while True:
+        order = orders.get()
+        if order is None:
+            break
+        if order == "die":
+            return
+        sender.send(*order)
+        deadline = time.monotonic() + 3 * timeout_s
+        done = []
+        while not done and time.monotonic() < deadline:
+            done = sender.finished()
+            time.sleep(0.01)
+        results.put(done)
+    sender.close()
+
+
+def _start(timeout_s=5.0):
+    ctx = mp.get_context("spawn")
+    orders, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_prefill, args=(orders, results, timeout_s), daemon=True)
+    proc.start()
+    assert results.get(timeout=60) == "ready"  # started (a spawn imports torch): its group can form in time
+    return proc, orders, results
+
+
+def _expect(own_before, runs_list):
+    peer, expect = _pools(1), [t.clone() for t in own_before]
+    for runs in runs_list:
+        for i, pool_runs in enumerate(runs):
+            for s, d, n in pool_runs:
+                expect[i][:, d:d + n] = peer[i][:, s:s + n]
+    return expect
+
+
+def _wait(receiver, ids, timeout_s=30.0):
+    done, deadline = {}, time.monotonic() + timeout_s
+    while set(done) != set(ids) and time.monotonic() < deadline:
+        done.update({t: (ok, why) for t, ok, why in receiver.finished()})
+        time.sleep(0.01)
+    return done
+
+
+def test_queued_transfers_arrive_in_order_bit_for_bit_while_the_caller_goes_on():
+    own = [torch.zeros_like(t) for t in _pools(1)]
+    before = [t.clone() for t in own]
+    receiver = PairTransfers(own, "gloo", "127.0.0.1", 5.0)
+    proc, orders, results = _start()
+    try:
+        prefixes = [receiver.recv(i, "peer-a", runs) for i, runs in ((1, KV), (2, KV2), (3, KV3))]
+        assert len(set(prefixes)) == 1 and receiver.finished() == []  # queued: nothing waited for the peer
+        for i, runs in ((1, KV), (2, KV2), (3, KV3)):
+            orders.put((i, receiver.address, prefixes[0], runs))
+        sent = [results.get(timeout=30) for _ in range(3)]
+        done = _wait(receiver, [1, 2, 3])
+    finally:
+        orders.put(None)
+        proc.join(20)
+        receiver.close()
+    assert sent == [[(1, True, None)], [(2, True, None)], [(3, True, None)]]
+    assert done == {1: (True, None), 2: (True, None), 3: (True, None)}
+    expect = _expect(before, [KV, KV2, KV3])
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(own, expect))
+
+
+def test_a_peer_that_dies_fails_its_transfers_within_the_timeout_and_a_restarted_one_joins_a_new_group():
+    own = [torch.zeros_like(t) for t in _pools(1)]
+    before = [t.clone() for t in own]
+    receiver = PairTransfers(own, "gloo", "127.0.0.1", 2.0)
+    proc, orders, _ = _start(2.0)
+    try:
+        first = receiver.recv(1, "peer-a", KV)
+        behind = receiver.recv(2, "peer-a", KV2)  # queued for the same group
+        orders.put("die")  # the prefill rank is gone before it sends
+        started = time.monotonic()
+        done = _wait(receiver, [1, 2])
+        assert time.monotonic() - started < 15
+        assert not done[1][0] and not done[2][0] and "failed" in done[2][1]
+        assert behind == first and not own[0].any()  # nothing was written
+        proc.join(20)
+        proc, orders, results = _start(2.0)  # the restarted prefill instance
+        again = receiver.recv(3, "peer-a", KV3)
+        assert again != first  # a fresh group
+        orders.put((3, receiver.address, again, KV3))
+        assert results.get(timeout=30) == [(3, True, None)]
+        assert _wait(receiver, [3]) == {3: (True, None)}
+    finally:
+        orders.put(None)
+        proc.join(20)
+        receiver.close()
+    expect = _expect(before, [KV3])
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(own, expect))
+
+
+def test_a_send_naming_a_failed_group_fails_at_once(monkeypatch):
+    sender = PairTransfers(_pools(1), "gloo", "127.0.0.1", 1.0)
+    try:
+        sender.send(1, "127.0.0.1:1", "p1", KV)  # nobody there: the group does not form
+        done = _wait(sender, [1])
+        assert not done[1][0] and "did not form" in done[1][1]
+        started = time.monotonic()
+        sender.send(2, "127.0.0.1:1", "p1", KV)
+        assert _wait(sender, [2]) == {2: (False, "the decode side's pair group failed")}
+        assert time.monotonic() - started < 1.0
+    finally:
+        sender.close()
+
+
+def test_bad_transfers_are_refused_before_anything_is_queued(monkeypatch):
+    own = [torch.zeros_like(t) for t in _pools(1)]
+    receiver = PairTransfers(own, "gloo", "127.0.0.1", 1.0)
+    with pytest.raises(PairTransferError, match="outside a pool"):
+        receiver.recv(1, "peer-a", [[(0, 38, 3)], []])
+    with pytest.raises(PairTransferError, match="run lists"):
+        receiver.recv(2, "peer-a", [[(0, 0, 1)]])
+    with pytest.raises(PairTransferError, match="prefix"):
+        receiver.send(3, "127.0.0.1:1", "", KV)
+    monkeypatch.setattr(pair_transfers, "MAX_PEER_WORKERS", 1)
+    receiver.recv(4, "peer-a", KV)  # waits for a peer that never comes (its group forms within 1 s, or fails)
+    with pytest.raises(PairTransferError, match="peers already"):
+        receiver.recv(5, "peer-b", KV)
+    receiver.close()
+    with pytest.raises(PairTransferError, match="closed"):
+        receiver.recv(6, "peer-a", KV)
+    ids = {t for t, _, _ in receiver.finished()}
+    assert ids == {4}  # the refused ones never reached a worker
+    with pytest.raises(ValueError, match="nccl between CUDA pools"):
+        PairTransfers(own, "nccl", "127.0.0.1", 1.0)
