@@ -8,18 +8,19 @@ routers and transporters do not drive it yet (docs/pd.md, "Not built yet").
 
     decode rank                                   prefill rank
     t = PairTransfers(pools, "nccl", host, 30)    t = PairTransfers(pools, "nccl", host, 30)
-    t.address, t.prefix(peer)  --control msg-->   t.send(id, address, prefix, runs)
-    t.recv(id, peer, runs)                        ...
+    p = t.new_prefix()  (again after a failure)
+    t.recv(id, peer, p, runs)  --t.address, p-->  t.send(id, address, p, runs)   (a signed control message)
     t.finished() -> [(id, ok, error)]             t.finished() -> [(id, ok, error)]
 
 - One worker thread and one bounded queue per peer, so a peer's transfers
   run in the order they were handed over and a slow peer holds up only its
   own; a full queue refuses the transfer at once (`PairTransferError`).
-- The decode side hosts the rendezvous store (bound to `bind`, its `--host`)
-  and names a fresh one-time prefix per pair group; a transfer that fails or
-  times out closes that group, and the next transfer with the peer forms a
-  new one under a new prefix (a restarted prefill instance joins it). Every
-  transfer queued behind a failure on the same group fails with it.
+- The decode side hosts the rendezvous store (bound to `bind`, its `--host`).
+  A transfer names its pair group by a one-time prefix the decode side picks;
+  a worker joins the group its transfer names (leaving the one it was in).
+  A transfer that fails or times out closes its group, and every transfer
+  queued for that group fails at once on that side; the decode side then
+  names a new group, which a restarted prefill instance joins.
 - Runs are checked against the pools before a transfer is queued (nothing
   moves for a bad one); the receiver also checks the sender's header against
   its own runs before writing a page (pair_group).
@@ -67,7 +68,7 @@ class _Job:
 class _Peer:
     jobs: queue.Queue
     thread: threading.Thread
-    prefix: str = ""  # the prefix of the group this peer is in (decode side: or joins next)
+    prefix: str = ""  # the prefix of the group this peer is in
     failed: str = ""  # the prefix of the last group that failed
     group: PairGroup | None = field(default=None, repr=False)
 
@@ -97,18 +98,22 @@ class PairTransfers:
                 self._store, self._address = host_rendezvous(self.bind, self.timeout_s)
             return self._address
 
-    def recv(self, transfer_id: int, peer: str, runs: Runs) -> str:
-        """Queue a receive into this rank's pools (runs: (peer start, own start, pages) per pool); returns the
-        prefix of the pair group it runs in, for the control message that asks the peer to send."""
+    def recv(self, transfer_id: int, peer: str, prefix: str, runs: Runs) -> None:
+        """Queue a receive into this rank's pools (runs: (peer start, own start, pages) per pool) in the pair group
+        `prefix` names (the caller's pick, `new_prefix()`: it tells the peer in the control message that asks
+        for the send, and picks a new one after a transfer with the peer failed)."""
         self.address  # noqa: B018  (the store must exist before the peer joins)
-        return self._queue(peer, _Job(transfer_id, runs), source=False)
+        self._queue(peer, _Job(transfer_id, runs, prefix=prefix), source=False)
+
+    @staticmethod
+    def new_prefix() -> str:
+        """A one-time pair group name: a stranger on the rendezvous port cannot guess its way in."""
+        return secrets.token_hex(8)
 
     # -- prefill side
 
     def send(self, transfer_id: int, address: str, prefix: str, runs: Runs) -> None:
         """Queue a send of this rank's pages to the decode rank at `address`, in the group `prefix` names."""
-        if not prefix:
-            raise PairTransferError("a send needs the decode side's group prefix")
         self._queue(address, _Job(transfer_id, runs, address=address, prefix=prefix), source=True)
 
     # -- both
@@ -130,7 +135,9 @@ class PairTransfers:
             peer.thread.join(self.timeout_s + 5)
         self._store = None
 
-    def _queue(self, key: str, job: _Job, source: bool) -> str:
+    def _queue(self, key: str, job: _Job, source: bool) -> None:
+        if not job.prefix:
+            raise PairTransferError(f"transfer {job.transfer_id} names no pair group prefix")
         try:
             pair_group._parts(self.pools, job.runs, source=source)
         except (IndexError, ValueError) as exc:
@@ -140,14 +147,11 @@ class PairTransfers:
             job.ready.record()
         with self._lock:
             peer = self._peer(key)
-            if not source:
-                job.prefix = peer.prefix
             try:
                 peer.jobs.put_nowait(job)
             except queue.Full:
                 raise PairTransferError(f"transfer {job.transfer_id}: {MAX_QUEUED} transfers already wait for "
                                         f"{key}") from None
-        return job.prefix
 
     def _peer(self, key: str) -> _Peer:
         """The peer's worker (started on first use); the caller holds the lock."""
@@ -157,7 +161,7 @@ class PairTransfers:
         if peer is None:
             if len(self._peers) >= MAX_PEER_WORKERS:
                 raise PairTransferError(f"pair transfers with {MAX_PEER_WORKERS} peers already")
-            peer = _Peer(queue.Queue(MAX_QUEUED), threading.Thread(target=lambda: None), secrets.token_hex(8))
+            peer = _Peer(queue.Queue(MAX_QUEUED), threading.Thread(target=lambda: None))
             peer.thread = threading.Thread(target=self._work, args=(key, peer), daemon=True,
                                            name=f"pair-{len(self._peers)}")
             self._peers[key] = peer
@@ -199,32 +203,30 @@ class PairTransfers:
                 with self._lock:
                     self._done.append((job.transfer_id, False, "the pair transfers closed"))
 
-    def _stale(self, peer: _Peer, job: _Job) -> str | None:
-        if job.address:  # prefill side
-            return "the decode side's pair group failed" if job.prefix == peer.failed else None
-        with self._lock:
-            return "its pair group failed before it ran" if job.prefix != peer.prefix else None
+    @staticmethod
+    def _stale(peer: _Peer, job: _Job) -> str | None:
+        return "its pair group failed before it ran" if job.prefix == peer.failed else None
 
     def _move(self, peer: _Peer, job: _Job) -> None:
-        if job.address:  # prefill side: (re)join when the decode side names another group
-            if peer.group is not None and peer.prefix != job.prefix:
-                self._drop_group(peer, failed=False)
-            if peer.group is None:
-                peer.prefix = job.prefix
-                peer.group = PairGroup(job.address, job.prefix, 0, self.backend, self.timeout_s, self.bind)
-            peer.group.send_pages(self.pools, job.runs)
-            return
+        """Join the group the job names (leaving another one), then move its pages."""
+        if peer.group is not None and peer.prefix != job.prefix:
+            self._drop_group(peer, failed=False)
         if peer.group is None:
-            peer.group = PairGroup(self._address, job.prefix, 1, self.backend, self.timeout_s, self.bind,
-                                   store=self._store)
-        peer.group.recv_pages(self.pools, job.runs)
+            peer.prefix = job.prefix  # (a group that does not form fails under this name too)
+            if job.address:  # prefill side: pair rank 0, at the decode side's store
+                peer.group = PairGroup(job.address, job.prefix, 0, self.backend, self.timeout_s, self.bind)
+            else:
+                peer.group = PairGroup(self._address, job.prefix, 1, self.backend, self.timeout_s, self.bind,
+                                       store=self._store)
+        if job.address:
+            peer.group.send_pages(self.pools, job.runs)
+        else:
+            peer.group.recv_pages(self.pools, job.runs)
 
-    def _drop_group(self, peer: _Peer, failed: bool) -> None:
+    @staticmethod
+    def _drop_group(peer: _Peer, failed: bool) -> None:
         if peer.group is not None:
             peer.group.close()
             peer.group = None
         if failed:
-            with self._lock:
-                peer.failed = peer.prefix  # prefill side: jobs naming it fail at once
-                if self._address:  # decode side: the next group gets a fresh name
-                    peer.prefix = secrets.token_hex(8)
+            peer.failed = peer.prefix  # jobs queued for it fail at once; the caller names a new group

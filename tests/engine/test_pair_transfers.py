@@ -77,10 +77,12 @@ def test_queued_transfers_arrive_in_order_bit_for_bit_while_the_caller_goes_on()
     receiver = PairTransfers(own, "gloo", "127.0.0.1", 5.0)
     proc, orders, results = _start()
     try:
-        prefixes = [receiver.recv(i, "peer-a", runs) for i, runs in ((1, KV), (2, KV2), (3, KV3))]
-        assert len(set(prefixes)) == 1 and receiver.finished() == []  # queued: nothing waited for the peer
+        prefix = receiver.new_prefix()
         for i, runs in ((1, KV), (2, KV2), (3, KV3)):
-            orders.put((i, receiver.address, prefixes[0], runs))
+            receiver.recv(i, "peer-a", prefix, runs)
+        assert receiver.finished() == []  # queued: nothing waited for the peer
+        for i, runs in ((1, KV), (2, KV2), (3, KV3)):
+            orders.put((i, receiver.address, prefix, runs))
         sent = [results.get(timeout=30) for _ in range(3)]
         done = _wait(receiver, [1, 2, 3])
     finally:
@@ -99,18 +101,19 @@ def test_a_peer_that_dies_fails_its_transfers_within_the_timeout_and_a_restarted
     receiver = PairTransfers(own, "gloo", "127.0.0.1", 2.0)
     proc, orders, _ = _start(2.0)
     try:
-        first = receiver.recv(1, "peer-a", KV)
-        behind = receiver.recv(2, "peer-a", KV2)  # queued for the same group
+        first = receiver.new_prefix()
+        receiver.recv(1, "peer-a", first, KV)
+        receiver.recv(2, "peer-a", first, KV2)  # queued for the same group
         orders.put("die")  # the prefill rank is gone before it sends
         started = time.monotonic()
         done = _wait(receiver, [1, 2])
         assert time.monotonic() - started < 15
-        assert not done[1][0] and not done[2][0] and "failed" in done[2][1]
-        assert behind == first and not own[0].any()  # nothing was written
+        assert not done[1][0] and done[2] == (False, "its pair group failed before it ran")
+        assert not own[0].any()  # nothing was written
         proc.join(20)
         proc, orders, results = _start(2.0)  # the restarted prefill instance
-        again = receiver.recv(3, "peer-a", KV3)
-        assert again != first  # a fresh group
+        again = receiver.new_prefix()  # a fresh group
+        receiver.recv(3, "peer-a", again, KV3)
         orders.put((3, receiver.address, again, KV3))
         assert results.get(timeout=30) == [(3, True, None)]
         assert _wait(receiver, [3]) == {3: (True, None)}
@@ -130,7 +133,7 @@ def test_a_send_naming_a_failed_group_fails_at_once(monkeypatch):
         assert not done[1][0] and "did not form" in done[1][1]
         started = time.monotonic()
         sender.send(2, "127.0.0.1:1", "p1", KV)
-        assert _wait(sender, [2]) == {2: (False, "the decode side's pair group failed")}
+        assert _wait(sender, [2]) == {2: (False, "its pair group failed before it ran")}
         assert time.monotonic() - started < 1.0
     finally:
         sender.close()
@@ -140,18 +143,18 @@ def test_bad_transfers_are_refused_before_anything_is_queued(monkeypatch):
     own = [torch.zeros_like(t) for t in _pools(1)]
     receiver = PairTransfers(own, "gloo", "127.0.0.1", 1.0)
     with pytest.raises(PairTransferError, match="outside a pool"):
-        receiver.recv(1, "peer-a", [[(0, 38, 3)], []])
+        receiver.recv(1, "peer-a", "p", [[(0, 38, 3)], []])
     with pytest.raises(PairTransferError, match="run lists"):
-        receiver.recv(2, "peer-a", [[(0, 0, 1)]])
+        receiver.recv(2, "peer-a", "p", [[(0, 0, 1)]])
     with pytest.raises(PairTransferError, match="prefix"):
         receiver.send(3, "127.0.0.1:1", "", KV)
     monkeypatch.setattr(pair_transfers, "MAX_PEER_WORKERS", 1)
-    receiver.recv(4, "peer-a", KV)  # waits for a peer that never comes (its group forms within 1 s, or fails)
+    receiver.recv(4, "peer-a", "p", KV)  # waits for a peer that never comes (its group forms within 1 s, or fails)
     with pytest.raises(PairTransferError, match="peers already"):
-        receiver.recv(5, "peer-b", KV)
+        receiver.recv(5, "peer-b", "p", KV)
     receiver.close()
     with pytest.raises(PairTransferError, match="closed"):
-        receiver.recv(6, "peer-a", KV)
+        receiver.recv(6, "peer-a", "p", KV)
     ids = {t for t, _, _ in receiver.finished()}
     assert ids == {4}  # the refused ones never reached a worker
     with pytest.raises(ValueError, match="nccl between CUDA pools"):
