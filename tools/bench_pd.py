@@ -166,18 +166,20 @@ def run(args) -> dict:
         loaded, ended = [], 0
         if args.loaded_rounds:
             stop, done = threading.Event(), []
-            streams = [threading.Thread(target=_background, args=(8200, stop, args.vocab, 1000 + i, args.background_tokens, done),
-                                        daemon=True) for i in range(args.background)]
+            streams = [threading.Thread(target=_background, daemon=True,
+                                        args=(8200, stop, args.vocab, 1000 + i, args.background_tokens, done))
+                       for i in range(args.background)]
             for t in streams:
                 t.start()
             time.sleep(3.0)  # every stream past its prefill and transfer, decoding
+            settled = done.count(1)
             for r in range(args.loaded_rounds):
                 prompt = [rng.randrange(3, args.vocab) for _ in range(args.prompt_tokens)]
                 ttft, _ = _complete(8200, prompt)
                 loaded.append({"ttft_pd_s": ttft})
                 print(f"loaded round {r}: TTFT through the master {ttft * 1e3:.1f} ms beside {args.background} "
                       f"decoding streams", flush=True)
-            ended = len(done)  # streams that ended (and started again) inside the loaded rounds
+            ended = done.count(1) - settled  # streams that ended (and started again) inside the loaded rounds
             stop.set()
             for t in streams:
                 t.join(60)

@@ -112,7 +112,13 @@ def _share_pools(cfg: HkvConfig, runner: ModelRunner) -> None:
             from hkv.engine.peer_copy_graphs import PeerCopyGraphs
 
             max_pages = min(runner.kv.num_pages, runner.pages.max_pages if runner.pages is not None else 1 << 30)
-            runner.peer_graphs = PeerCopyGraphs(runner.kv.layers_view(), conv, recurrent, max_pages)
+            runner.peer_graphs = PeerCopyGraphs(runner.kv.layers_view(), conv, recurrent, max_pages,
+                                                live=runner.peer_pools.documents)
+            try:  # compile the graphs' kernels now, not in the first transfer's step
+                runner.peer_graphs.warm_up()
+            except Exception as exc:
+                log.warning("peer copy kernels not warmed up (%s: %s); the first transfer compiles them",
+                            type(exc).__name__, exc)
         return
     path = os.path.join(cfg.run_dir, ipc_pools.POOLS_FILE)
     fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -85,6 +85,10 @@ class PeerPools:
         self.own = {"kv": kv_layers, "conv": conv, "recurrent": recurrent}
         self._open: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
 
+    def documents(self) -> list[str]:
+        """The peers' documents whose pools are mapped now (oldest first)."""
+        return list(self._open)
+
     def get(self, document: str) -> dict[str, torch.Tensor]:
         """The peer's tensors ("kv", and "conv"/"recurrent" for hybrid models), checked against this rank's."""
         pools = self._open.get(document)

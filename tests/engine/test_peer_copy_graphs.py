@@ -27,26 +27,29 @@ def test_peer_copy_graph_replays_equal_the_eager_copies(hybrid):
         own["conv"], own["recurrent"] = torch.zeros_like(peer["conv"]), torch.zeros_like(peer["recurrent"])
     expect = {k: v.clone() for k, v in own.items()}
     graphs = PeerCopyGraphs(own["kv"], own.get("conv"), own.get("recurrent"), max_pages=512)
-    assert graphs.sizes == [16, 32, 64, 128, 256, 512]
+    assert graphs.sizes == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    graphs.warm_up()
     rng = random.Random(1)
     free = list(range(pages + 1))
     rng.shuffle(free)
     transfers = []
-    for n in (1, 16, 17, 100, 511, 3):
+    for n in (1, 16, 17, 100, 511, 3, 20):  # 17 and 20 share the 24-page bucket
         src, dst = rng.sample(range(pages), n), [free.pop() for _ in range(n)]
         slot = (rng.randrange(slots), rng.randrange(slots)) if hybrid else (None, None)
         transfers.append((src, dst, *slot))
     with torch.inference_mode():
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # the stream is busy while every transfer is queued: nothing waits in between
         for src, dst, src_slot, dst_slot in transfers:
             replay, bucket = graphs.prepare("peer", peer, src, dst, src_slot, dst_slot)
             assert bucket == graphs.bucket(len(src)) and graphs._peers["peer"][1][bucket] is not None
-            replay()  # no sync: the next transfer's upload queues behind this replay
-            s, d = torch.tensor(src, device="cuda"), torch.tensor(dst, device="cuda")
-            copy_blocks_ref(peer["kv"], expect["kv"], s, d)
-            if hybrid:
-                for name in ("conv", "recurrent"):
-                    expect[name][:, dst_slot] = peer[name][:, src_slot]
+            replay()  # the next transfer's upload queues behind this replay, into the same arena when it shares a bucket
         torch.cuda.synchronize()
+    for src, dst, src_slot, dst_slot in transfers:  # the same copies, one by one, on the host's side of a sync
+        copy_blocks_ref(peer["kv"], expect["kv"], torch.tensor(src, device="cuda"), torch.tensor(dst, device="cuda"))
+        if hybrid:
+            for name in ("conv", "recurrent"):
+                expect[name][:, dst_slot] = peer[name][:, src_slot]
     for name in own:
         assert torch.equal(own[name].view(torch.int16) if name == "kv" else own[name],
                            expect[name].view(torch.int16) if name == "kv" else expect[name]), name

@@ -88,7 +88,7 @@ def test_peer_copy_graphs_move_what_the_eager_copy_moves(monkeypatch, caplog, sr
     runner, peer, own_kv = _runner(monkeypatch)
     eager, _, eager_kv = _runner(monkeypatch)
     runner.peer_graphs = PeerCopyGraphs(own_kv, runner.state.conv, runner.state.recurrent, max_pages=40)
-    assert runner.peer_graphs.sizes == [16, 32, 64]
+    assert runner.peer_graphs.sizes == [16, 24, 32, 48]
     for r in (runner, eager):
         r._peer_copy(PeerCopy("doc", src, dst, 2, 1))
     assert torch.equal(own_kv.view(torch.int16), eager_kv.view(torch.int16))
@@ -96,7 +96,7 @@ def test_peer_copy_graphs_move_what_the_eager_copy_moves(monkeypatch, caplog, sr
     for name in ("conv", "recurrent"):
         assert torch.equal(getattr(runner.state, name), getattr(eager.state, name))
     assert torch.equal(runner.state.recurrent[:, 1], peer["recurrent"][:, 2])
-    bucket = 16 if len(src) <= 16 else 32
+    bucket = 16 if len(src) <= 16 else 24
     with caplog.at_level(logging.INFO, logger=model_runner.log.name):
         _log_peer_copies(runner._peer_timings)
     (found,) = COPY_LINE.findall(caplog.text)
@@ -152,6 +152,49 @@ def test_a_decode_rank_captures_peer_copies_only_with_cuda_graphs_on(monkeypatch
     rank._share_pools(cfg, runner)
     assert runner.peer_pools is not None
     if graph_max_bs:
-        assert runner.peer_graphs.sizes == [16, 32] and runner.peer_graphs.kv is own_kv
+        assert runner.peer_graphs.sizes == [16, 24] and runner.peer_graphs.kv is own_kv
     else:
         assert runner.peer_graphs is None
+
+
+def test_peer_copy_graphs_of_a_dense_model_copy_pages_only(monkeypatch):
+    from hkv.engine.peer_copy_graphs import PeerCopyGraphs
+
+    runner, peer, own_kv = _runner(monkeypatch)
+    del peer["conv"], peer["recurrent"]
+    runner.state = None
+    runner.peer_graphs = PeerCopyGraphs(own_kv, None, None, max_pages=40)
+    runner._peer_copy(PeerCopy("doc", [4, 9, 2], [0, 1, 39], None, None))
+    assert torch.equal(own_kv[:, [0, 1, 39]].view(torch.int16), peer["kv"][:, [4, 9, 2]].view(torch.int16))
+    assert not own_kv[:, 2:39].any()
+    arena = runner.peer_graphs.arenas[16]
+    assert arena[:, 16].tolist() == [-1, -1] and arena[0, 3:].eq(-1).all()  # no slot, padding skipped
+    assert runner._peer_timings[-1][4] == "graph of 16 pages"
+
+
+def test_with_graphs_on_a_bad_peer_copy_is_refused_before_any_capture_or_upload(monkeypatch):
+    from hkv.engine.peer_copy_graphs import PeerCopyGraphs
+
+    runner, peer, own_kv = _runner(monkeypatch)
+    runner.peer_graphs = PeerCopyGraphs(own_kv, runner.state.conv, runner.state.recurrent, max_pages=40)
+    for op in (PeerCopy("doc", [1, 40], [0, 1], 2, 1), PeerCopy("doc", [1], [-1], 2, 1), PeerCopy("doc", [1], [2], 4, 1)):
+        with pytest.raises(IndexError):
+            runner._peer_copy(op)
+    with pytest.raises(ValueError):
+        runner._peer_copy(PeerCopy("doc", [1, 2], [3], 2, 1))
+    assert not runner.peer_graphs._peers and all(a.eq(-1).all() for a in runner.peer_graphs.arenas.values())
+    assert not own_kv.any() and runner._peer_timings == []
+
+
+def test_peer_copy_graphs_let_go_of_peers_whose_mapping_is_gone_and_warm_up_copies_nothing(monkeypatch):
+    from hkv.engine.peer_copy_graphs import PeerCopyGraphs
+
+    runner, peer, own_kv = _runner(monkeypatch)
+    live = ["old", "new"]
+    graphs = PeerCopyGraphs(own_kv, runner.state.conv, runner.state.recurrent, max_pages=40, live=lambda: live)
+    graphs.warm_up()
+    assert not own_kv.any() and not runner.state.recurrent.any()
+    graphs.prepare("old", peer, [1], [1], 0, 0)
+    live.remove("old")  # PeerPools evicted it (or the peer restarted with a new document)
+    graphs.prepare("new", peer, [2], [2], 0, 0)
+    assert list(graphs._peers) == ["new"]
