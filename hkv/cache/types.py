@@ -129,7 +129,35 @@ class PeerCopy(msgspec.Struct, frozen=True, tag="peer_copy"):
     dst_slot: int | None  # the request's live state slot
 
 
-CacheOp = RestoreCheckpoint | SaveCheckpoint | StorePages | StoreState | LoadPages | LoadState | PeerCopy
+class PeerSend(msgspec.Struct, frozen=True, tag="peer_send"):
+    """Prefill rank: send held device pages (and the checkpoint) to a decode rank through their pair group
+    (NCCL across GPUs, gloo on CPU; hkv/engine/pair_transfers.py, docs/pd.md). The rank reports the end in
+    a later StepResult (`transfers`)."""
+
+    transfer_id: int
+    address: str  # the decode rank's rendezvous host:port
+    prefix: str  # the pair group's one-time name, the decode side's pick
+    src_pages: list[int]  # this rank's held pages
+    dst_pages: list[int]  # the decode side's reserved pages: both sides cut the same runs from the two lists
+    src_slot: int | None  # the held checkpoint slot (hybrid)
+    dst_slot: int | None  # the decode side's reserved state slot
+
+
+class PeerRecv(msgspec.Struct, frozen=True, tag="peer_recv"):
+    """Decode rank: receive a prefill rank's held pages (and checkpoint) into reserved ones through their pair
+    group; the pages are the request's to use once a StepResult reports the transfer ok."""
+
+    transfer_id: int
+    peer: str  # the prefill instance's transporter (the rank keeps one worker, and one group, per peer)
+    prefix: str
+    src_pages: list[int]
+    dst_pages: list[int]
+    src_slot: int | None
+    dst_slot: int | None
+
+
+CacheOp = (RestoreCheckpoint | SaveCheckpoint | StorePages | StoreState | LoadPages | LoadState | PeerCopy | PeerSend
+           | PeerRecv)
 
 
 @dataclass(frozen=True)

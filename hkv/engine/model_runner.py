@@ -22,14 +22,16 @@ import numpy as np
 import torch
 
 from hkv.cache.types import (
-    LoadPages, LoadState, PeerCopy, RestoreCheckpoint, SaveCheckpoint, StorePages, StoreState,
+    LoadPages, LoadState, PeerCopy, PeerRecv, PeerSend, RestoreCheckpoint, SaveCheckpoint, StorePages, StoreState,
 )  # fmt: skip
 from hkv.engine.cuda_graphs import DecodeGraphs
+from hkv.engine.pair_transfers import PairTransferError
 from hkv.engine.prefill_graphs import PrefillGraphs
 from hkv.engine.sampler import PendingSample, SampleRow, sample_async
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import (
     STEP_DECODE_GRAPH, STEP_EAGER, STEP_SHORT_PREFILL_GRAPHS, Sampled, SamplingParams, StepPlan, StepResult,
+    TransferDone,
 )  # fmt: skip
 from hkv.ipc.request_table import RequestTable
 from hkv.models.batch import ForwardBatch
@@ -99,6 +101,8 @@ class ModelRunner:
         self.scratch: tuple[int, int | None] | None = None  # CUDA: the graph rows' scratch page and state slot
         self.peer_pools = None  # decode mode on CUDA: hkv.storage.ipc_pools.PeerPools, for PeerCopy ops
         self.peer_graphs = None  # with CUDA graphs: hkv.engine.peer_copy_graphs.PeerCopyGraphs for those copies
+        self.pair = None  # PD over a pair group: hkv.engine.pair_transfers.PairTransfers, for PeerSend / PeerRecv
+        self._refused: list[TransferDone] = []  # pair transfers refused before they were queued, for the next result
         self._peer_timings: list[tuple] = []  # CUDA events around this plan's peer copies, logged at its finish
         # the CUDA path's arena, mirrored page table and decode buckets; tests also take it on CPU
         if self.device.type == "cuda" if device_metadata is None else device_metadata:
@@ -198,16 +202,16 @@ class ModelRunner:
         """Wait for a launched plan's sampled ids (only they, and requested logprobs, come back)."""
         plan = launched.plan
         if launched.error is not None:
-            return StepResult(plan.step, [], 0.0, launched.error)
+            return StepResult(plan.step, [], 0.0, launched.error, transfers=self._transfers())
         if launched.spec_out is not None:
             return StepResult(plan.step, launched.spec_out, time.perf_counter() - launched.started,
-                              graph=launched.graph)
+                              graph=launched.graph, transfers=self._transfers())
         outs = launched.sample.outputs() if launched.sample is not None else []
         forward_s = time.perf_counter() - launched.started
         if launched.peer_timings:
             _log_peer_copies(launched.peer_timings)
         sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(launched.slots, outs)]
-        return StepResult(plan.step, sampled, forward_s, graph=launched.graph)
+        return StepResult(plan.step, sampled, forward_s, graph=launched.graph, transfers=self._transfers())
 
     def _take_membership(self, plan: StepPlan) -> None:
         for slot in plan.freed:
@@ -238,6 +242,34 @@ class ModelRunner:
                 self._copy_state(to_host=False, slot=op.dst_slot, entry=op.src_entry)
             elif isinstance(op, PeerCopy):
                 self._peer_copy(op)
+            elif isinstance(op, (PeerSend, PeerRecv)):
+                self._pair_transfer(op)
+
+    def _pair_transfer(self, op: PeerSend | PeerRecv) -> None:
+        """Hand a pair-group transfer to the worker of its peer; it ends in a later StepResult's `transfers`
+        (a refused one in the next), never failing the step: the request's router rolls it back."""
+        try:
+            if self.pair is None:
+                raise PairTransferError("this rank has no pair transfers (not a prefill or decode instance)")
+            if len(op.src_pages) != len(op.dst_pages) or (op.src_slot is None) != (op.dst_slot is None) or (
+                    (op.src_slot is None) != (self.state is None)):
+                raise PairTransferError("unequal page lists, or a state slot that does not fit the pools")
+            runs = [page_runs(op.src_pages, op.dst_pages)]
+            if self.state is not None:
+                runs += [[(op.src_slot, op.dst_slot, 1)]] * 2  # conv, recurrent
+            if isinstance(op, PeerSend):
+                self.pair.send(op.transfer_id, op.address, op.prefix, runs)
+            else:
+                self.pair.recv(op.transfer_id, op.peer, op.prefix, runs)
+        except (PairTransferError, ValueError) as exc:
+            self._refused.append(TransferDone(op.transfer_id, False, str(exc)))
+
+    def _transfers(self) -> list[TransferDone]:
+        """The pair transfers that ended (or were refused) since the last result."""
+        done, self._refused = self._refused, []
+        if self.pair is not None:
+            done += [TransferDone(t, ok, why) for t, ok, why in self.pair.finished()]
+        return done
 
     def _peer_copy(self, op: PeerCopy) -> None:
         """A prefill peer's pages and checkpoint into this rank's pools, device to device (CUDA IPC)."""

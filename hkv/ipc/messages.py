@@ -352,6 +352,14 @@ class Sampled(msgspec.Struct, frozen=True, array_like=True):
 STEP_EAGER, STEP_DECODE_GRAPH, STEP_SHORT_PREFILL_GRAPHS, STEP_VERIFY_GRAPHS = 0, 1, 2, 3
 
 
+class TransferDone(msgspec.Struct, frozen=True, array_like=True):
+    """A pair-group transfer (PeerSend / PeerRecv) ended, or was refused before it started."""
+
+    transfer_id: int
+    ok: bool
+    error: str | None = None
+
+
 class StepResult(msgspec.Struct, frozen=True, tag="result"):
     """What a rank produced for one StepPlan."""
 
@@ -361,6 +369,7 @@ class StepResult(msgspec.Struct, frozen=True, tag="result"):
     error: str | None = None  # set when the step failed; the router fails the step's requests
     malformed: int = 0  # plans this rank dropped since start because they did not decode (link rank_in)
     graph: int = STEP_EAGER  # STEP_*: how the forward ran
+    transfers: list[TransferDone] = []  # pair-group transfers that ended since the rank's last result
 
 
 class RankReady(msgspec.Struct, frozen=True, tag="ready"):
