@@ -134,7 +134,7 @@ class PeerSend(msgspec.Struct, frozen=True, tag="peer_send"):
     (NCCL across GPUs, gloo on CPU; hkv/engine/pair_transfers.py, docs/pd.md). The rank reports the end in
     a later StepResult (`transfers`)."""
 
-    transfer_id: int
+    transfer_id: int  # the decode side's id for the transfer (its receiver refuses another's pages)
     address: str  # the decode rank's rendezvous host:port
     prefix: str  # the pair group's one-time name, the decode side's pick
     src_pages: list[int]  # this rank's held pages

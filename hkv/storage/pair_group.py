@@ -14,11 +14,11 @@ gloo). Not yet wired into the ranks.
   so a stranger on the port cannot join this pair. The store lives as long
   as the pair (NCCL builds its communicator at the first transfer, through
   the store); `close` lets it go.
-- A transfer first sends a header: its byte count, its part count, then
-  (layers, pages, bytes a page) of every part in order; the receiver
-  refuses one that is not exactly what it reserved, before any page is
-  written. Then the pages go in messages of at most `MAX_MESSAGE_BYTES`,
-  packed and unpacked through one staging buffer of that size on each side
+- A transfer first sends a header: its byte count, its part count, its
+  tag (the transfer's id), then (layers, pages, bytes a page) of every part
+  in order; the receiver refuses one that is not exactly what it reserved,
+  before any page is written. Then the pages go in messages of at most
+  `MAX_MESSAGE_BYTES`, packed and unpacked through one staging buffer of that size on each side
   (a part is its layers' runs of pages, each contiguous in its pool). A
   failure mid-transfer leaves some reserved pages written: the caller rolls
   its reservation back. Every run is checked against the pools first.
@@ -106,11 +106,14 @@ class PairGroup:
             pass
         self.store = None  # the decode side's store closes its port with its last reference
 
-    def send_pages(self, pools: Sequence[torch.Tensor], runs: Sequence[Sequence[tuple[int, int, int]]]) -> int:
-        """Rank 0: pools[i][:, s:s+n] for each run (s, _, n) of runs[i], in order; returns the bytes sent."""
+    def send_pages(self, pools: Sequence[torch.Tensor], runs: Sequence[Sequence[tuple[int, int, int]]],
+                   tag: int = 0) -> int:  # fmt: skip
+        """Rank 0: pools[i][:, s:s+n] for each run (s, _, n) of runs[i], in order; returns the bytes sent.
+        `tag` names the transfer (the receiver refuses another one's pages)."""
         parts = _parts(pools, runs, source=True)
         device, total = _device(pools), sum(p.numel() for p in parts)
-        self._wait(self.group.send([torch.tensor([total, len(parts)], dtype=torch.int64, device=device)], self.peer, 0))
+        header = torch.tensor([total, len(parts), tag], dtype=torch.int64, device=device)
+        self._wait(self.group.send([header], self.peer, 0))
         if parts:
             self._wait(self.group.send([_shapes(parts, device)], self.peer, 0))
         staging = torch.empty(min(total, MAX_MESSAGE_BYTES), dtype=torch.uint8, device=device)
@@ -120,15 +123,19 @@ class PairGroup:
             self._wait(self.group.send([staging[:message]], self.peer, 1))
         return total
 
-    def recv_pages(self, pools: Sequence[torch.Tensor], runs: Sequence[Sequence[tuple[int, int, int]]]) -> int:
-        """Rank 1: into pools[i][:, d:d+n] for each run (_, d, n) of runs[i]; the sender's runs must have the
-        same lengths, in the same order (checked). Returns the bytes received."""
+    def recv_pages(self, pools: Sequence[torch.Tensor], runs: Sequence[Sequence[tuple[int, int, int]]],
+                   tag: int = 0) -> int:  # fmt: skip
+        """Rank 1: into pools[i][:, d:d+n] for each run (_, d, n) of runs[i]; the sender's transfer must carry
+        `tag` and its runs the same lengths, in the same order (checked). Returns the bytes received."""
         parts = _parts(pools, runs, source=False)
         device, total = _device(pools), sum(p.numel() for p in parts)
-        header = torch.zeros(2, dtype=torch.int64, device=device)
+        header = torch.zeros(3, dtype=torch.int64, device=device)
         self._wait(self.group.recv([header], self.peer, 0))
-        if header.tolist() != [total, len(parts)]:
-            raise PairGroupError(f"the peer sends {header[0].item()} bytes in {header[1].item()} runs; "
+        sent_total, sent_parts, sent_tag = header.tolist()
+        if sent_tag != tag:
+            raise PairGroupError(f"the peer sends transfer {sent_tag}; transfer {tag} was expected")
+        if [sent_total, sent_parts] != [total, len(parts)]:
+            raise PairGroupError(f"the peer sends {sent_total} bytes in {sent_parts} runs; "
                                  f"{total} in {len(parts)} were reserved")
         if parts:
             shapes = torch.zeros(len(parts), 3, dtype=torch.int64, device=device)

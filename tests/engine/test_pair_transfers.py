@@ -98,8 +98,8 @@ def test_queued_transfers_arrive_in_order_bit_for_bit_while_the_caller_goes_on()
 def test_a_peer_that_dies_fails_its_transfers_within_the_timeout_and_a_restarted_one_joins_a_new_group():
     own = [torch.zeros_like(t) for t in _pools(1)]
     before = [t.clone() for t in own]
-    receiver = PairTransfers(own, "gloo", "127.0.0.1", 2.0)
-    proc, orders, _ = _start(2.0)
+    receiver = PairTransfers(own, "gloo", "127.0.0.1", 3.0)
+    proc, orders, _ = _start(3.0)
     try:
         first = receiver.new_prefix()
         receiver.recv(1, "peer-a", first, KV)
@@ -109,9 +109,9 @@ def test_a_peer_that_dies_fails_its_transfers_within_the_timeout_and_a_restarted
         done = _wait(receiver, [1, 2])
         assert time.monotonic() - started < 15
         assert not done[1][0] and done[2] == (False, "its pair group failed before it ran")
-        assert not own[0].any()  # nothing was written
+        assert not any(t.any() for t in own)  # nothing was written
         proc.join(20)
-        proc, orders, results = _start(2.0)  # the restarted prefill instance
+        proc, orders, results = _start(3.0)  # the restarted prefill instance
         again = receiver.new_prefix()  # a fresh group
         receiver.recv(3, "peer-a", again, KV3)
         orders.put((3, receiver.address, again, KV3))
@@ -125,7 +125,7 @@ def test_a_peer_that_dies_fails_its_transfers_within_the_timeout_and_a_restarted
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(own, expect))
 
 
-def test_a_send_naming_a_failed_group_fails_at_once(monkeypatch):
+def test_a_send_naming_a_failed_group_fails_at_once():
     sender = PairTransfers(_pools(1), "gloo", "127.0.0.1", 1.0)
     try:
         sender.send(1, "127.0.0.1:1", "p1", KV)  # nobody there: the group does not form
@@ -155,7 +155,65 @@ def test_bad_transfers_are_refused_before_anything_is_queued(monkeypatch):
     receiver.close()
     with pytest.raises(PairTransferError, match="closed"):
         receiver.recv(6, "peer-a", "p", KV)
-    ids = {t for t, _, _ in receiver.finished()}
-    assert ids == {4}  # the refused ones never reached a worker
+    done = receiver.finished()
+    assert [t for t, _, _ in done] == [4] and not done[0][1]  # the refused ones never reached a worker
     with pytest.raises(ValueError, match="nccl between CUDA pools"):
         PairTransfers(own, "nccl", "127.0.0.1", 1.0)
+
+
+def test_close_fails_what_is_queued_once_each_and_comes_back_within_the_timeout():
+    receiver = PairTransfers([torch.zeros_like(t) for t in _pools(1)], "gloo", "127.0.0.1", 1.0)
+    for i in (1, 2, 3):
+        receiver.recv(i, "nobody", "p", KV)  # the first waits for a peer that never comes
+    started = time.monotonic()
+    receiver.close()
+    assert time.monotonic() - started < 5
+    done = receiver.finished()
+    assert sorted(t for t, _, _ in done) == [1, 2, 3] and not any(ok for _, ok, _ in done)
+    assert {why for t, _, why in done if t != 1} == {"the pair transfers closed"}
+    with pytest.raises(PairTransferError, match="closed"):
+        receiver.address  # noqa: B018
+
+
+def test_a_full_queue_refuses_and_an_idle_worker_retires(monkeypatch):
+    monkeypatch.setattr(pair_transfers, "MAX_QUEUED", 2)
+    monkeypatch.setattr(pair_transfers, "IDLE_S", 0.3)
+    sender = PairTransfers(_pools(1), "gloo", "127.0.0.1", 1.0)
+    try:
+        sender.send(1, "127.0.0.1:1", "p1", KV)  # nobody there: fails within the timeout
+        deadline = time.monotonic() + 10
+        while sender._peers["127.0.0.1:1"].jobs.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the worker took it
+        sender.send(2, "127.0.0.1:1", "p2", KV)
+        sender.send(3, "127.0.0.1:1", "p3", KV)
+        with pytest.raises(PairTransferError, match="already wait"):
+            sender.send(4, "127.0.0.1:1", "p4", KV)
+        done = _wait(sender, [1, 2, 3])
+        assert sorted(done) == [1, 2, 3] and not any(ok for ok, _ in done.values())
+        deadline = time.monotonic() + 10
+        while sender._peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not sender._peers  # retired: its place is free for another peer
+    finally:
+        sender.close()
+
+
+def test_a_peer_that_never_shows_does_not_hold_up_another_peers_group():
+    own = [torch.zeros_like(t) for t in _pools(1)]
+    receiver = PairTransfers(own, "gloo", "127.0.0.1", 6.0)
+    proc, orders, results = _start(6.0)
+    try:
+        receiver.recv(1, "never", receiver.new_prefix(), KV)  # waits 6 s for its peer, on the same store
+        time.sleep(0.3)
+        started = time.monotonic()
+        prefix = receiver.new_prefix()
+        receiver.recv(2, "peer-b", prefix, KV2)
+        orders.put((2, receiver.address, prefix, KV2))
+        assert results.get(timeout=30) == [(2, True, None)]
+        assert _wait(receiver, [2]) == {2: (True, None)}
+        assert time.monotonic() - started < 4.5  # before the other peer's rendezvous gave up
+    finally:
+        orders.put(None)
+        proc.join(20)
+        receiver.close()
+    assert torch.equal(own[0][:, 15:19].view(torch.int16), _pools(1)[0][:, 30:34].view(torch.int16))
