@@ -121,6 +121,11 @@ class PeerCopyGraphs:
                 del self._peers[gone]
         graphs: dict[int, torch.cuda.CUDAGraph | None] | None = {}
         try:
+            small = self.sizes[0]
+            self.arenas[small].fill_(-1)
+            # every index -1: copies nothing; loads this peer's kernel variants (its pool sizes) outside the
+            # captures, once: the buckets differ only in grid, their aligned arena views in nothing Triton keys on
+            self._copies(peer, small)
             for b in self.sizes:
                 graphs[b] = self._capture(peer, b)
         except Exception as exc:
@@ -137,9 +142,7 @@ class PeerCopyGraphs:
         return graphs
 
     def _capture(self, peer: dict[str, torch.Tensor], b: int) -> torch.cuda.CUDAGraph | None:
-        arena = self.arenas[b]
-        arena.fill_(-1)
-        self._copies(peer, b)  # every index -1: copies nothing, loads the kernels for this peer outside the capture
+        self.arenas[b].fill_(-1)  # a capture records no values, but a replay before an upload must copy nothing
         if self._stream is None:
             return None
         graph = torch.cuda.CUDAGraph()

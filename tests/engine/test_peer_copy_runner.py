@@ -15,6 +15,7 @@ import torch
 from hkv.cache.types import PeerCopy
 from hkv.engine import model_runner
 from hkv.engine.model_runner import ModelRunner, _log_peer_copies
+from hkv.engine.peer_copy_graphs import PeerCopyGraphs
 from tools.bench_pd import COPY_LINE
 
 
@@ -83,8 +84,6 @@ def test_a_peer_copy_outside_the_pools_copies_nothing(monkeypatch):
 def test_peer_copy_graphs_move_what_the_eager_copy_moves(monkeypatch, caplog, src, dst):
     """PeerCopyGraphs on CPU runs its bucket's copies eagerly from the same padded arena: the pages land
     where the eager copy puts them, nothing else changes, and the log names the bucket."""
-    from hkv.engine.peer_copy_graphs import PeerCopyGraphs
-
     runner, peer, own_kv = _runner(monkeypatch)
     eager, _, eager_kv = _runner(monkeypatch)
     runner.peer_graphs = PeerCopyGraphs(own_kv, runner.state.conv, runner.state.recurrent, max_pages=40)
@@ -105,8 +104,6 @@ def test_peer_copy_graphs_move_what_the_eager_copy_moves(monkeypatch, caplog, sr
 
 def test_peer_copy_graphs_fall_back_past_the_largest_bucket_and_on_a_failed_capture(monkeypatch, caplog):
     from hkv.engine import peer_copy_graphs
-    from hkv.engine.peer_copy_graphs import PeerCopyGraphs
-
     runner, peer, own_kv = _runner(monkeypatch)
     graphs = PeerCopyGraphs(own_kv, runner.state.conv, runner.state.recurrent, max_pages=16)
     runner.peer_graphs = graphs
@@ -129,7 +126,6 @@ def test_peer_copy_graphs_fall_back_past_the_largest_bucket_and_on_a_failed_capt
 
 
 def test_peer_copy_graphs_hold_at_most_max_peers(monkeypatch):
-    from hkv.engine.peer_copy_graphs import PeerCopyGraphs
     from hkv.storage.ipc_pools import MAX_PEERS
 
     runner, peer, own_kv = _runner(monkeypatch)
@@ -158,8 +154,6 @@ def test_a_decode_rank_captures_peer_copies_only_with_cuda_graphs_on(monkeypatch
 
 
 def test_peer_copy_graphs_of_a_dense_model_copy_pages_only(monkeypatch):
-    from hkv.engine.peer_copy_graphs import PeerCopyGraphs
-
     runner, peer, own_kv = _runner(monkeypatch)
     del peer["conv"], peer["recurrent"]
     runner.state = None
@@ -173,8 +167,6 @@ def test_peer_copy_graphs_of_a_dense_model_copy_pages_only(monkeypatch):
 
 
 def test_with_graphs_on_a_bad_peer_copy_is_refused_before_any_capture_or_upload(monkeypatch):
-    from hkv.engine.peer_copy_graphs import PeerCopyGraphs
-
     runner, peer, own_kv = _runner(monkeypatch)
     runner.peer_graphs = PeerCopyGraphs(own_kv, runner.state.conv, runner.state.recurrent, max_pages=40)
     for op in (PeerCopy("doc", [1, 40], [0, 1], 2, 1), PeerCopy("doc", [1], [-1], 2, 1), PeerCopy("doc", [1], [2], 4, 1)):
@@ -187,8 +179,6 @@ def test_with_graphs_on_a_bad_peer_copy_is_refused_before_any_capture_or_upload(
 
 
 def test_peer_copy_graphs_let_go_of_peers_whose_mapping_is_gone_and_warm_up_copies_nothing(monkeypatch):
-    from hkv.engine.peer_copy_graphs import PeerCopyGraphs
-
     runner, peer, own_kv = _runner(monkeypatch)
     live = ["old", "new"]
     graphs = PeerCopyGraphs(own_kv, runner.state.conv, runner.state.recurrent, max_pages=40, live=lambda: live)
