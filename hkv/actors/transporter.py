@@ -44,13 +44,13 @@ from hkv.ipc import json_block
 from hkv.ipc.auth import Signer, Verifier, load_secret
 from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import (
-    TRANSPORTER_IDS, PdFetch, PdFetched, PdHoldRelease, PdRelease, RouterInbound, TierCommit, TierFound, TierInbound, TierLookup,
-    TierRelease, TierReserve, TierReserved, TransporterInbound,
+    TRANSPORTER_IDS, PdFetch, PdFetched, PdHoldRelease, PdPairAsk, PdPairSend, PdRelease, RouterInbound, TierCommit,
+    TierFound, TierInbound, TierLookup, TierRelease, TierReserve, TierReserved, TransporterInbound,
 )  # fmt: skip
-from hkv.ipc.pd_ticket import TicketError, check_peer_address
+from hkv.ipc.pd_ticket import TicketError, check_pair_address, check_peer_address
 from hkv.ipc.peer_messages import (
     CHUNK_BYTES, MAX_FRAME_PAYLOAD, MAX_KEYS, PeerAnswer, PeerAsk, PeerBytes, PeerDone, PeerLookup, PeerPull,
-    PeerRelease, PeerRun,
+    PeerPairSend, PeerRelease, PeerRun,
 )  # fmt: skip
 from hkv.ipc.peer_socket import SealedSocket, tcp_socket
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
@@ -93,6 +93,8 @@ class Counters:
     pages_sent: int = 0
     bytes_sent: int = 0
     malformed: int = 0  # local answers with an unknown id or an index out of range
+    pair_asks_sent: int = 0  # decode: asks for a held prefix over the pair group (docs/pd.md)
+    pair_asks_received: int = 0  # prefill: ... of them passed on to the router (which checks the hold)
 
 
 class Link:
@@ -178,6 +180,9 @@ class Transporter:
         if isinstance(msg, PdRelease):
             tasks.create_task(self.release(msg))
             return
+        if isinstance(msg, PdPairAsk):
+            tasks.create_task(self.pair_ask(msg))
+            return
         answer_id = msg.lookup_id if isinstance(msg, TierFound) else msg.offload_id
         future = self.asks.pop(answer_id, None)
         if future is not None and not future.done():
@@ -206,6 +211,8 @@ class Transporter:
                 identity, sender, msg = await self.server.recv(PeerAsk)
                 if isinstance(msg, PeerRelease):  # the router checks the id
                     await self.to_router.send(PdHoldRelease(msg.hold_id))
+                elif isinstance(msg, PeerPairSend):
+                    tasks.create_task(self._guarded(self.pass_pair_send(msg)))
                 elif isinstance(msg, PeerLookup):
                     tasks.create_task(self._guarded(self.serve_lookup(identity, (sender, msg.fetch_id), msg)))
                 elif isinstance(msg, PeerPull):
@@ -363,6 +370,34 @@ class Transporter:
             log.warning("hold %d at %s not released: %s", msg.hold_id, msg.peer, exc)
             return
         await link.sealed.send(PeerRelease(msg.hold_id))
+
+    async def pair_ask(self, msg: PdPairAsk) -> None:
+        """Ask a prefill peer to send a held prefix over the pair group (a loss: the decode rank's receive times
+        out and the router rolls the request back)."""
+        try:
+            link = self.link(check_peer_address(msg.peer))
+        except (PeerError, TicketError) as exc:
+            log.warning("pair transfer %d from %s not asked for: %s", msg.transfer_id, msg.peer, exc)
+            return
+        self.counters.pair_asks_sent += 1
+        await link.sealed.send(PeerPairSend(msg.hold_id, msg.transfer_id, msg.address, msg.prefix, msg.first,
+                                            msg.dst_pages, msg.dst_slot))
+
+    async def pass_pair_send(self, msg: PeerPairSend) -> None:
+        """A decode peer's ask, bounded here; the router checks the hold, the pages and the slot."""
+        try:
+            check_pair_address(msg.address)
+        except TicketError:
+            self.counters.malformed += 1
+            return
+        if not (0 < len(msg.dst_pages) <= MAX_KEYS and 0 < len(msg.prefix) <= 64 and msg.first >= 0):
+            self.counters.malformed += 1
+            return
+        self.counters.pair_asks_received += 1
+        if self.cfg.server.pd_stall_pull_s:  # fault injection: a prefill side that hangs before its send
+            await asyncio.sleep(self.cfg.server.pd_stall_pull_s)
+        await self.to_router.send(PdPairSend(msg.hold_id, msg.transfer_id, msg.address, msg.prefix, msg.first,
+                                             msg.dst_pages, msg.dst_slot))
 
     def _reserved_views(self, reserved: TierReserved, run: PeerRun) -> tuple[list[int], list[memoryview]]:
         """The run indices this tier reserved (it lacks them) and the shm views their bytes go into."""

@@ -266,10 +266,36 @@ class PdHoldRelease(msgspec.Struct, frozen=True, tag="pd_hold_release"):
     hold_id: int
 
 
-TransporterInbound = PdFetch | PdRelease | TierFound | TierReserved
+class PdPairAsk(msgspec.Struct, frozen=True, tag="pd_pair_ask"):
+    """Decode side, router -> transporter: ask the prefill peer to send a held prefix over the pair group
+    (docs/pd.md): the pages `first` on of its hold `hold_id` into `dst_pages`, its checkpoint into `dst_slot`."""
+
+    peer: str  # the prefill transporter, from the ticket
+    hold_id: int
+    transfer_id: int  # the decode side's id; the receiving rank checks it in the sender's header
+    address: str  # the decode rank's rendezvous host:port
+    prefix: str  # the pair group's one-time name
+    first: int  # the hold's first page to send (a decode-side hit covers the ones before)
+    dst_pages: list[int]
+    dst_slot: int | None
+
+
+class PdPairSend(msgspec.Struct, frozen=True, tag="pd_pair_send"):
+    """Prefill side, transporter -> router: a decode peer's PdPairAsk (authenticated, not yet checked)."""
+
+    hold_id: int
+    transfer_id: int
+    address: str
+    prefix: str
+    first: int
+    dst_pages: list[int]
+    dst_slot: int | None
+
+
+TransporterInbound = PdFetch | PdRelease | PdPairAsk | TierFound | TierReserved
 
 # Everything the router's inbox takes: the api's requests, the cache worker's and the transporter's answers.
-RouterInbound = Inbound | TierOutbound | PdFetched | PdHoldRelease
+RouterInbound = Inbound | TierOutbound | PdFetched | PdHoldRelease | PdPairSend
 
 
 # router -> rank
@@ -379,6 +405,7 @@ class RankReady(msgspec.Struct, frozen=True, tag="ready"):
     kv_pages: int  # pages in the device KV pool
     state_slots: int  # slots of the state pool the router may hand out (0: dense model)
     peer_gpu: str = ""  # decode mode on CUDA: the GPU uuid whose prefill peers' pools this rank can map
+    pair_address: str = ""  # decode mode with pair transfers: the rendezvous host:port prefill peers join
 
 
 RankOutbound = StepResult | RankReady

@@ -49,6 +49,20 @@ def check_peer_address(address: str) -> str:
     return address
 
 
+def check_pair_address(address: str) -> str:
+    """A decode rank's rendezvous `<IP literal>:<port>` (hkv/storage/pair_group.py); raises TicketError otherwise."""
+    if not isinstance(address, str) or len(address) > 64:
+        raise TicketError("a pair address must be <ip>:<port>")
+    host, sep, port = address.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise TicketError("a pair address must be <ip>:<port>")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise TicketError("a pair address must be <ip>:<port>") from None
+    return address
+
+
 def _mac(secret: bytes, peer: str, issued: int, nonce: str, device: Any = None) -> str:
     parts = [_DOMAIN, peer.encode(), str(issued).encode(), nonce.encode()]
     if device is not None:  # canonical JSON: the signature covers every field of it

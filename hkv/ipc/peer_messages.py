@@ -9,6 +9,9 @@ ZeroMQ tcp: the decode side's DEALER asks, the prefill side's ROUTER answers.
     PeerPull(wanted pages, state) ---------->
               <----------------------------  PeerBytes(offset, data) ... (last=True)
     PeerDone ------------------------------->  unpins
+
+    PeerRelease(hold) ---------------------->  a device hold copied over CUDA IPC (or not wanted)
+    PeerPairSend(hold, pages, address) ----->  the prefill rank sends the held pages over the pair group
 """
 
 from __future__ import annotations
@@ -58,5 +61,18 @@ class PeerRelease(msgspec.Struct, frozen=True, tag="release"):
     hold_id: int  # the prefill router's device hold the decode side copied from (or gave up on)
 
 
-PeerAsk = PeerLookup | PeerPull | PeerDone | PeerRelease
+class PeerPairSend(msgspec.Struct, frozen=True, tag="pair_send"):
+    """Send the held pages `first` on of hold `hold_id` (and its checkpoint) over the pair group `prefix` to the
+    decode rank at `address`, into `dst_pages` and `dst_slot`, under `transfer_id` (docs/pd.md)."""
+
+    hold_id: int
+    transfer_id: int
+    address: str
+    prefix: str
+    first: int
+    dst_pages: list[int]
+    dst_slot: int | None
+
+
+PeerAsk = PeerLookup | PeerPull | PeerDone | PeerRelease | PeerPairSend
 PeerAnswer = PeerRun | PeerBytes
