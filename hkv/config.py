@@ -25,7 +25,7 @@ from hkv.argtypes import positive_float as _positive_float, positive_int as _pos
 from hkv.engine.validate import MAX_SPEC_TOKENS
 from hkv.ipc.rundir import create_run_dir
 from hkv.keys import KeyHash  # noqa: F401  (re-exported: the api and tests take it from here)
-from hkv.pd_flags import check_pd, pd_flags, security_flags
+from hkv.pd_flags import check_pd, pair_backend, pd_flags, security_flags
 from hkv_kernels.gdn import GDN_CHUNK
 
 # tiny-hybrid: trained, shipped in the package; the others: random weights for tests (hkv/models/tiny.py)
@@ -157,7 +157,8 @@ class ServerConfig:
     metrics_key: KeyHash | None = None  # GET /metrics; None: open
     pd_port: int = 0  # prefill/decode: the transporter's TCP port on `host` (0: a free one)
     pd_timeout_s: float = 30.0  # prefill/decode: a transfer not done by then rolls back at both ends
-    pd_stall_pull_s: float = 0.0  # tests: $HKV_PD_STALL_PULL_S, the transporter waits this long before a pull
+    pd_transfer: str = "auto"  # prefill/decode: auto | pair | tier (hkv/pd_flags.py)
+    pd_stall_pull_s: float = 0.0  # tests: $HKV_PD_STALL_PULL_S, the transporter stalls a pull (or pair send)
     log_request_times: bool = False  # the router logs where each finished request's time went (hkv/engine/timeline.py)
 
 
@@ -182,6 +183,12 @@ class HkvConfig:
     def ipc_address(self, link: str) -> str:
         """The ipc:// endpoint of one link inside this instance's private run directory."""
         return f"ipc://{self.run_dir}/{link}.sock"
+
+    @property
+    def pair_backend(self) -> str:
+        """The pair group's backend this prefill/decode instance moves prompts with ("": none; hkv/pd_flags.py)."""
+        return pair_backend(self.server.mode, self.model.device, self.server.pd_transfer, self.model.tp,
+                            self.spec.spec_tokens)
 
 
 DEFAULT_DISK_CACHE_GB = 16.0  # --disk-cache-gb when only --disk-cache-dir is given
@@ -544,6 +551,7 @@ def _server_config(args: argparse.Namespace, name: str) -> ServerConfig:
         metrics_key=_key("--metrics-key", args.metrics_key, "HKV_METRICS_KEY"),
         pd_port=args.pd_port,
         pd_timeout_s=args.pd_timeout,
+        pd_transfer=args.pd_transfer,
         log_request_times=args.log_request_times,
         pd_stall_pull_s=float(os.environ.get("HKV_PD_STALL_PULL_S") or 0.0),  # fault injection (tests/e2e/test_pd.py)
     )

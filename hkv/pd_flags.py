@@ -13,6 +13,7 @@ from hkv.argtypes import positive_float
 
 MODES = ("normal", "prefill", "decode", "pd-master")
 DEFAULT_PD_TIMEOUT_S = 30.0
+PD_TRANSFERS = ("auto", "pair", "tier")
 
 
 def pd_flags(p: argparse.ArgumentParser) -> None:
@@ -30,6 +31,11 @@ def pd_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd-timeout", type=positive_float, default=DEFAULT_PD_TIMEOUT_S,
                    help="prefill/decode: seconds a transfer may take before both ends roll it back "
                         f"(default: {DEFAULT_PD_TIMEOUT_S:.0f})")
+    g.add_argument("--pd-transfer", choices=PD_TRANSFERS, default="auto",
+                   help="prefill/decode: how a prompt's pages move between the instances; auto: CUDA IPC when "
+                        "both share a GPU, NCCL point-to-point between GPUs, the CPU tier over ZeroMQ on CPU; "
+                        "pair: as auto, but on CPU a gloo pair group between the ranks (the NCCL path's code); "
+                        "tier: always staged in the CPU tier; both instances should agree (default: auto)")
 
 
 def security_flags(p: argparse.ArgumentParser) -> None:
@@ -47,6 +53,16 @@ def security_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--secret-file", default=None,
                    help="file (mode 0600, at least 32 bytes) holding the HMAC secret of the control messages "
                         "between prefill, decode and pd-master instances; needed in those modes (default: none)")
+
+
+def pair_backend(mode: str, device: str, pd_transfer: str, tp: int, spec_tokens: int) -> str:
+    """The pair process group's backend a prefill or decode rank moves prompts with: "nccl", "gloo" or ""
+    (none: the CPU tier, and CUDA IPC on one GPU). One rank a side, and no drafter (its window is not sent)."""
+    if mode not in ("prefill", "decode") or pd_transfer == "tier" or tp != 1 or spec_tokens:
+        return ""
+    if device == "cuda":
+        return "nccl"
+    return "gloo" if pd_transfer == "pair" else ""
 
 
 def check_pd(args: argparse.Namespace, error: type[Exception]) -> None:

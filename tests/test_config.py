@@ -233,3 +233,31 @@ def test_pd_modes_parse(tmp_path):
                         "http://127.0.0.1:8001", "--decode-url", "http://127.0.0.1:8002"])
     assert master.server.prefill_urls == ("http://127.0.0.1:8001",)
     assert master.server.decode_urls == ("http://127.0.0.1:8002",)
+
+
+@pytest.mark.parametrize("mode, device, transfer, tp, spec, backend", [
+    ("decode", "cpu", "auto", 1, 0, ""),  # on CPU the CPU tier, unless asked
+    ("decode", "cpu", "pair", 1, 0, "gloo"),
+    ("prefill", "cpu", "pair", 1, 0, "gloo"),
+    ("prefill", "cuda", "auto", 1, 0, "nccl"),
+    ("decode", "cuda", "pair", 1, 0, "nccl"),
+    ("decode", "cuda", "tier", 1, 0, ""),
+    ("normal", "cpu", "pair", 1, 0, ""),  # only prefill and decode instances move prompts
+    ("decode", "cpu", "pair", 2, 0, ""),  # one rank a side
+    ("decode", "cuda", "auto", 1, 2, ""),  # a drafter's window travels on the CPU path only
+])
+def test_the_pair_backend_is_picked_at_start_up(mode, device, transfer, tp, spec, backend):
+    from hkv.pd_flags import pair_backend
+
+    assert pair_backend(mode, device, transfer, tp, spec) == backend
+
+
+def test_pd_transfer_parses_and_refuses_a_path_it_does_not_know(tmp_path, capsys):
+    secret = _secret(tmp_path)
+    base = ["--device", "cpu", "--mode", "prefill", "--cpu-cache-gb", "0.01", "--secret-file", secret]
+    assert parse_cli(base).server.pd_transfer == "auto"
+    cfg = parse_cli([*base, "--pd-transfer", "pair"])
+    assert (cfg.server.pd_transfer, cfg.pair_backend) == ("pair", "gloo")
+    with pytest.raises(SystemExit):
+        parse_cli([*base, "--pd-transfer", "rdma"])
+    assert "invalid choice: 'rdma'" in capsys.readouterr().err

@@ -9,6 +9,7 @@ says what to run.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -84,6 +85,8 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
                  cfg.spec.spec_tokens, draft.window or "full length (paged)", state.draft_bytes_per_slot() / 1024)
     if on_cuda and not drafting and cfg.server.mode in ("prefill", "decode"):
         _share_pools(cfg, runner)
+    if cfg.pair_backend:
+        _open_pair(cfg, runner)
     seconds = runner.capture_graphs()
     if runner.graphs is not None:
         log.info("CUDA graphs: %d decode buckets up to batch %d (all graphs captured in %.1f s)",
@@ -120,12 +123,37 @@ def _share_pools(cfg: HkvConfig, runner: ModelRunner) -> None:
                 log.warning("peer copy kernels not warmed up (%s: %s); the first transfer compiles them",
                             type(exc).__name__, exc)
         return
-    path = os.path.join(cfg.run_dir, ipc_pools.POOLS_FILE)
+    doc = json.loads(ipc_pools.export_pools(runner.kv.layers_view(), conv, recurrent))
+    _write_pools_doc(cfg, doc)
+    log.info("device pools shared for decode instances on this GPU (CUDA IPC)")
+
+
+def _open_pair(cfg: HkvConfig, runner: ModelRunner) -> None:
+    """Pair-group transfers (docs/pd.md): the decode rank opens its rendezvous now (its address goes out in
+    RankReady); a prefill rank off CUDA names the path in its pools document (on CUDA `_share_pools` does)."""
+    from hkv.engine.pair_transfers import PairTransfers
+
+    state = runner.state
+    pools = [runner.kv.layers_view()] + ([state.conv, state.recurrent] if state is not None else [])
+    runner.pair = PairTransfers(pools, cfg.pair_backend, cfg.server.host, cfg.server.pd_timeout_s)
+    if cfg.server.mode == "decode":
+        log.info("pair transfers (%s): prefill peers join at %s", cfg.pair_backend, runner.pair.address)
+    elif cfg.model.device != "cuda":
+        _write_pools_doc(cfg, {"version": 1})
+        log.info("pair transfers (%s): held prompts are sent to decode peers", cfg.pair_backend)
+
+
+def _write_pools_doc(cfg: HkvConfig, doc: dict) -> None:
+    """The pools document the api names in a prefill answer (hkv/openai/pd_route.py), with the pair path."""
+    from hkv.openai.pd_route import POOLS_FILE
+
+    if cfg.pair_backend:
+        doc["pair"] = cfg.pair_backend
+    path = os.path.join(cfg.run_dir, POOLS_FILE)
     fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(ipc_pools.export_pools(runner.kv.layers_view(), conv, recurrent))
+        f.write(json.dumps(doc, sort_keys=True))
     os.replace(path + ".tmp", path)
-    log.info("device pools shared for decode instances on this GPU (CUDA IPC)")
 
 
 def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
@@ -171,6 +199,7 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     inbox = DgramReceiver(cfg.ipc_address(f"rank{ctx.rank}_in"), RankInbound, "rank_in", spin_s=PLAN_SPIN_S)
     outbox: DgramSender[RankOutbound] = DgramSender(cfg.ipc_address("router_results"), "router_results")
     host_region = None
+    runner = None
     try:
         runner, pages, slots = await asyncio.to_thread(_build_runner, cfg, table)
         if cfg.cache.tiers:
@@ -182,10 +211,13 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
                     log.warning("CPU tier load warm-up failed (%s: %s)", type(exc).__name__, exc)
         inbox.start()
         uuid = ipc_uuid(runner)
-        await outbox.send(RankReady(ctx.rank, pages, slots, uuid))
+        address = runner.pair.address if runner.pair is not None and cfg.server.mode == "decode" else ""
+        await outbox.send(RankReady(ctx.rank, pages, slots, uuid, address))
         ctx.ready(rank=ctx.rank)
         await run_until_stopped(_step_loop(ctx, inbox, outbox, runner), ctx.stop)
     finally:
+        if runner is not None and runner.pair is not None:
+            await asyncio.to_thread(runner.pair.close)  # fails what is queued; waits for a transfer in progress
         await inbox.aclose()
         await outbox.aclose()
         table.release_views()
