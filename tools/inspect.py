@@ -65,8 +65,11 @@ def inspect_instance(name: str) -> dict[str, Any]:
         _read_tiers(name, report)
     if request_table.REGION in entries:
         report["requests"] = _read_requests(name)
+    pair = report.pop("pair", None)  # the router's figures of the pair-group path, shown with the pd ones
     if PD_STATS_REGION in entries:
         report["pd"] = _read_pd(name)
+        if pair is not None:
+            report["pd"]["pair"] = pair
     return report
 
 
@@ -111,7 +114,9 @@ def _read_stats(name: str) -> dict[str, Any]:
              "cpu": {"enabled": False, "cached_tokens_served": int(values["cached_tokens_cpu"])},
              "disk": {"enabled": False, "cached_tokens_served": int(values["cached_tokens_disk"])},
              "peer": {"cached_tokens_served": int(values["cached_tokens_peer"])}}
-    return {"pools": pools, "radix": radix, "tiers": tiers, "steps": steps}
+    pair = {"transfers_ok": int(values["pd_pair_ok"]), "transfers_failed": int(values["pd_pair_failed"]),
+            "pages": int(values["pd_pair_pages"])}
+    return {"pools": pools, "radix": radix, "tiers": tiers, "steps": steps, "pair": pair}
 
 
 def _read_tiers(name: str, report: dict[str, Any]) -> None:

@@ -47,6 +47,7 @@ from hkv.ipc.messages import (
     Outbound,
     PdFetched,
     PdHoldRelease,
+    PdPairSend,
     RankInbound,
     RankOutbound,
     RankReady,
@@ -128,16 +129,18 @@ class Router:
 
     async def wait_for_ranks(self, count: int) -> None:
         """Wait for every rank's RankReady, then open the cache over the smallest KV pool."""
-        pages, slots, gpus = [], [], set()
+        pages, slots, gpus, pair = [], [], set(), ""
         while len(pages) < count:
             msg = await self.results.get()
             if isinstance(msg, RankReady):
                 pages.append(msg.kv_pages)
                 slots.append(msg.state_slots)
                 gpus.add(msg.peer_gpu)
+                pair = pair or msg.pair_address
                 log.info("rank %d ready with %d KV pages, %d state slots", msg.rank, msg.kv_pages, msg.state_slots)
         self.open_cache(min(pages), min(slots))
         self.scheduler.peer_gpu = gpus.pop() if len(gpus) == 1 else ""  # device copies: one rank, one GPU
+        self.scheduler.pair_address = pair if count == 1 else ""  # pair transfers: one rank a side
 
     def open_cache(self, kv_pages: int, state_slots: int) -> None:
         """The coordinator, tier client and scheduler over a device pool of `kv_pages` pages and
@@ -162,8 +165,9 @@ class Router:
         self.scheduler = Scheduler(limits, self.coord, self.table, self.tiers)
         self.scheduler.pd_timeout_s = cfg.server.pd_timeout_s
         # prefill mode on CUDA (no drafter): prompts' device pages are held for decode peers on this GPU
-        self.scheduler.peer_holds_enabled = (cfg.server.mode == "prefill" and cfg.model.device == "cuda"
-                                             and cfg.spec.spec_tokens == 0)
+        self.scheduler.peer_holds_enabled = (cfg.server.mode == "prefill" and cfg.spec.spec_tokens == 0
+                                             and (cfg.model.device == "cuda" or bool(cfg.pair_backend)))
+        self.scheduler.pair_backend = cfg.pair_backend  # across GPUs (NCCL), or gloo on CPU (docs/pd.md)
         self.check = InboxCheck(RouterLimits(cfg.model.spec.vocab_size, cfg.model.max_context,
                                              self.table.layout.max_pages * c.page_size, kv_pages * c.page_size,
                                              cfg.scheduler.max_queued_requests))
@@ -222,7 +226,13 @@ class Router:
     async def drain_inbox(self, block: bool) -> None:
         """Apply every queued request and abort; with no work, wait for the first."""
         if block:
-            self.apply(await self.inbox.get())
+            wait = self.scheduler.pair_poll_in()  # transfers out: wake to ask the ranks about them
+            if wait is None:
+                self.apply(await self.inbox.get())
+            else:
+                with contextlib.suppress(TimeoutError):  # (a cancelled queue get loses nothing)
+                    async with asyncio.timeout(wait):
+                        self.apply(await self.inbox.get())
         for msg in self.inbox.drain():
             self.apply(msg)
 
@@ -240,6 +250,8 @@ class Router:
             self.scheduler.on_pd_fetched(msg)
         elif isinstance(msg, PdHoldRelease):
             self.scheduler.release_peer_hold(msg.hold_id)
+        elif isinstance(msg, PdPairSend):
+            self.scheduler.on_pair_send(msg)
         elif self.tiers is None:
             log.warning("ignoring a tier message without tiers: %r", msg)
         elif isinstance(msg, TierFound):
@@ -272,7 +284,8 @@ class Router:
         reason = self.check.result(result, plan)
         if reason is not None:
             log.error("step %d: dropping the rank's result: %s", plan.step, reason)
-            result = StepResult(plan.step, [], result.forward_s, f"malformed result from the rank: {reason}")
+            result = StepResult(plan.step, [], result.forward_s, f"malformed result from the rank: {reason}",
+                                transfers=result.transfers)  # (those ended all the same)
         if result.error is None:
             self.failed_in_a_row = 0
             return result
@@ -407,6 +420,9 @@ class Router:
             "radix_checkpoints": tree.num_checkpoints,
             "radix_evictable_pages": tree.evictable_pages,
             "tier_offloads_skipped": self.tiers.skipped_offloads if self.tiers is not None else 0,
+            "pd_pair_ok": sched.pair_ok,
+            "pd_pair_failed": sched.pair_failed,
+            "pd_pair_pages": sched.pair_pages,
             "spec_tokens": sched.limits.spec_tokens,
             "spec_verified": sched.spec_verified,
             "spec_accepted": sched.spec_accepted,

@@ -103,6 +103,7 @@ class ModelRunner:
         self.peer_graphs = None  # with CUDA graphs: hkv.engine.peer_copy_graphs.PeerCopyGraphs for those copies
         self.pair = None  # PD over a pair group: hkv.engine.pair_transfers.PairTransfers, for PeerSend / PeerRecv
         self._refused: list[TransferDone] = []  # pair transfers refused before they were queued, for the next result
+        self._handed: set[int] = set()  # the launching plan's pair transfers handed over (or refused) so far
         self._peer_timings: list[tuple] = []  # CUDA events around this plan's peer copies, logged at its finish
         # the CUDA path's arena, mirrored page table and decode buckets; tests also take it on CPU
         if self.device.type == "cuda" if device_metadata is None else device_metadata:
@@ -176,6 +177,7 @@ class ModelRunner:
         for the device unless a row samples on the host. `finish` waits and builds the result."""
         self._take_membership(plan)
         started = time.perf_counter()
+        self._handed = set()
         try:
             with torch.inference_mode():
                 self._run_cache_ops(plan)
@@ -194,6 +196,10 @@ class ModelRunner:
                 if rows:
                     self.last_tokens.index_copy_(0, sample_rows, pending.ids)
         except Exception as exc:  # a failed step fails its requests, not the rank
+            # a pair transfer the failure kept from its worker ends now: its router must not wait for it
+            self._refused += [TransferDone(op.transfer_id, False, f"its step failed first: {type(exc).__name__}")
+                              for op in plan.ops if isinstance(op, (PeerSend, PeerRecv))
+                              and op.transfer_id not in self._handed]
             return Launched(plan, [], None, started, f"{type(exc).__name__}: {exc}")
         return Launched(plan, [c.slot for c in plan.chunks if c.sample], pending, started, peer_timings=timings,
                         graph=graph)
@@ -248,6 +254,7 @@ class ModelRunner:
     def _pair_transfer(self, op: PeerSend | PeerRecv) -> None:
         """Hand a pair-group transfer to the worker of its peer; it ends in a later StepResult's `transfers`
         (a refused one in the next), never failing the step: the request's router rolls it back."""
+        self._handed.add(op.transfer_id)
         try:
             if self.pair is None:
                 raise PairTransferError("this rank has no pair transfers (not a prefill or decode instance)")

@@ -15,12 +15,15 @@ request with the transporter's reason; pages that came over count as
 Prefill instance: a request sent `for_peer` answers only once its copies
 out to the CPU tier settled, so the decode side's pull finds every page.
 
-On one GPU (CUDA) a prefill instance also holds the prompt's device pages
+A prefill instance that can hand its device pages over (CUDA, or a pair
+group on CPU) also holds the prompt's device pages
 and checkpoint (at the prompt's last page boundary) and names them in its
 answer (`PeerHold`); a decode instance on the same GPU copies them device
 to device in the plan that admits the request (a `PeerCopy` op), then has
-the hold released through the transporters. Holds nobody releases expire
-after `--pd-timeout`.
+the hold released through the transporters; on another GPU (or on CPU with
+`--pd-transfer pair`) the ranks move them over a pair group
+(hkv/engine/pd_pairing.py). Holds nobody releases expire after
+`--pd-timeout`.
 """
 
 from __future__ import annotations
@@ -160,6 +163,8 @@ class PdFetching:
 
     def release_peer_hold(self, hold_id: int) -> None:
         """A decode peer copied the hold (or gave up): its pages become evictable again."""
+        if self.sending_hold(hold_id):  # its send's end releases it (the pages are being read)
+            return
         held = self._peer_holds.pop(hold_id, None)
         if held is None:
             self.pd_malformed += 1  # unknown, or released already (expired)
@@ -171,7 +176,8 @@ class PdFetching:
         if not self._peer_holds:
             return
         now = time.monotonic()
-        for hold_id in [h for h, (_, taken) in self._peer_holds.items() if now - taken > timeout_s]:
+        for hold_id in [h for h, (_, taken) in self._peer_holds.items()
+                        if now - taken > timeout_s and not self.sending_hold(h)]:
             self.coord.unhold(self._peer_holds.pop(hold_id)[0])
 
     # -- device copies (decode mode on CUDA)
@@ -185,14 +191,15 @@ class PdFetching:
             same_gpu = bool(self.peer_gpu) and json.loads(dev.pools).get("uuid") == self.peer_gpu
         except (ValueError, AttributeError):
             same_gpu = False
+        pair = not same_gpu and self._pair_usable(dev.pools)  # across GPUs (NCCL), or gloo on CPU
         fits = (dev.length > 0 and dev.length % P == 0 and len(dev.pages) == dev.length // P
                 and dev.length <= (len(seq.prompt_ids) - 1) // P * P and all(p >= 0 for p in dev.pages)
                 and (dev.slot is not None and dev.slot >= 0) == self.limits.hybrid)
-        if not (same_gpu and fits):
+        if not ((same_gpu or pair) and fits):
             self.pd_outbox.append(PdRelease(req.peer, dev.hold_id))  # the CPU path instead
             self.pd_malformed += not fits
             return False
-        seq.peer_device, seq.peer = dev, req.peer
+        seq.peer_device, seq.peer, seq.peer_pair = dev, req.peer, pair
         seq.peer_copy_by = time.monotonic() + self.pd_timeout_s / 2
         return True
 
@@ -213,6 +220,8 @@ class PdFetching:
             return []
         seq.peer_device = None
         release = PdRelease(seq.peer, dev.hold_id)
+        if fresh and seq.peer_pair:  # over the pair group: the peer lets go of the hold when its send ends
+            return self._pair_recv_ops(seq, dev, start, fresh)
         if not fresh:
             self.pd_outbox.append(release)
             return []

@@ -35,80 +35,24 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
 from hkv.cache.coordinator import CacheCoordinator
 from hkv.cache.errors import CapacityError
 from hkv.cache.types import CacheOp, CheckpointRef, LoadPages, LoadState
-from hkv.engine.tier_client import TierClient, TierHit
-from hkv.ipc.messages import (
-    Chunk, GenerateRequest, NewSequence, PeerDevice, SamplingParams, StepPlan, StepResult, TierFound, TierReserved,
-    TokenDelta,
-)  # fmt: skip
 from hkv.engine.pd_fetching import PdFetching
+from hkv.engine.pd_pairing import PdPairing
 from hkv.engine.publishing import Publishing
-from hkv.engine.speculating import Speculating
+from hkv.engine.sequence import SchedulerLimits, Sequence
 from hkv.engine.slot_book import SlotBook
+from hkv.engine.speculating import Speculating
+from hkv.engine.tier_client import TierClient
+from hkv.ipc.messages import Chunk, GenerateRequest, NewSequence, StepPlan, StepResult, TierFound, TierReserved, TokenDelta
 from hkv.ipc.request_table import RequestTable
-from hkv_kernels.gdn import GDN_CHUNK
+
+__all__ = ["Scheduler", "SchedulerLimits", "Sequence"]
 
 
-@dataclass(frozen=True)
-class SchedulerLimits:
-    page_size: int
-    max_running: int  # sequences holding a slot at once (<= request-table slots)
-    token_budget: int  # tokens per step, decode and prefill together
-    max_context: int  # the model's context length
-    eos_ids: frozenset[int]
-    hybrid: bool = False  # the model has linear-attention state (one live slot per sequence)
-    checkpoint_interval: int | None = None  # hybrid: the state is kept at multiples of this (a multiple of chunk_align)
-    chunk_align: int = GDN_CHUNK  # hybrid: in-chunk checkpoints fall on multiples of this from the chunk's start
-    tier_checkpoint_interval: int | None = None  # hybrid with tiers: interior prefixes copied out on multiples of this
-    spec_tokens: int = 0  # speculative decoding: drafts verified per decode step at most (0 = off)
-
-
-@dataclass
-class Sequence:
-    req_id: int
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    output_ids: list[int] = field(default_factory=list)
-    slot: int | None = None  # request-table row while admitted
-    state_slot: int | None = None  # live linear-state slot while admitted (hybrid)
-    pages: list[int] = field(default_factory=list)  # page ids, in order (shared prefix pages first)
-    kv_len: int = 0  # tokens of all_ids whose K/V are computed, or being computed by sent plans
-    pending_samples: int = 0  # tokens sampled by sent plans whose results are not in yet (0 to 2)
-    done_len: int = 0  # tokens whose K/V steps with results in have computed
-    admit_order: int = 0  # larger = admitted later = preempted first
-    cached_tokens: int | None = None  # prompt tokens its first admission took from the cache
-    cache_tiers: dict[str, int] | None = None  # those tokens per tier: {"gpu", "cpu", "disk", "peer"}
-    table_pages: int = 0  # pages already written to its request-table row
-    keys: list[bytes] = field(default_factory=list)  # chained page keys, computed as tiers need them
-    lookup_pending: bool = False  # a tier lookup is out: it waits (others may pass it)
-    tier: TierHit | None = None  # the tier run its first admission may load, pinned by the worker
-    proposals: list[int] = field(default_factory=list)  # the drafter's guesses after its last token (spec)
-    peer_pages: frozenset[int] = frozenset()  # decode mode: prompt pages pulled from the prefill peer
-    peer: str | None = None  # decode mode: the prefill peer's transporter
-    peer_device: PeerDevice | None = None  # decode mode on its GPU: its held device pages, until admitted
-    peer_copy_by: float = 0.0  # ... copied only before this (monotonic): well inside the peer's hold timeout
-
-    @property
-    def total_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    def token_slice(self, start: int, stop: int) -> list[int]:
-        prompt_len = len(self.prompt_ids)
-        if stop <= prompt_len:
-            return self.prompt_ids[start:stop]
-        if start >= prompt_len:
-            return self.output_ids[start - prompt_len : stop - prompt_len]
-        return self.prompt_ids[start:] + self.output_ids[: stop - prompt_len]
-
-
-class Scheduler(Publishing, Speculating, PdFetching):
+class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
     """Owns waiting and running sequences and their request-table rows."""
 
     def __init__(self, limits: SchedulerLimits, coord: CacheCoordinator, table: RequestTable,
@@ -135,6 +79,7 @@ class Scheduler(Publishing, Speculating, PdFetching):
         self._sent: dict[int, dict[int, Sequence]] = {}  # step -> {slot: sequence} of plans without a result
         self._unpublished: dict[int, StepPlan] = {}  # sent plans whose computed prefixes are not published yet
         self._pd_init()
+        self._pair_init()
 
     def add(self, req: GenerateRequest) -> None:
         seq = Sequence(req.req_id, list(req.prompt_ids), req.sampling)
@@ -171,8 +116,9 @@ class Scheduler(Publishing, Speculating, PdFetching):
                 self._finished.append(_delta(seq, [], "abort"))
                 return
         seq = self.running.get(req_id)
-        if seq is not None:
-            self._leave(seq, publish=False)
+        if seq is not None and not seq.doomed:
+            if not self._abort_arriving(seq):  # (an arriving one leaves once its transfer ended)
+                self._leave(seq, publish=False)
             self._finished.append(_delta(seq, [], "abort"))
 
     def flush(self) -> tuple[int, int]:
@@ -224,14 +170,18 @@ class Scheduler(Publishing, Speculating, PdFetching):
         last plan; ranks run them, in order, before the forward.
         """
         self._publish_sent()
+        self._expire_arriving()
         budget = self.limits.token_budget
         chunks: list[Chunk] = []
         new: list[NewSequence] = []
         for seq in list(self.running.values()):
-            if seq.req_id not in self.running or budget <= 0:
+            if seq.req_id not in self.running or budget <= 0 or seq.arriving is not None:
                 continue
             chunk = self._plan_running(seq, budget)
             if chunk is not None:
+                if not seq.announced:  # its pages arrived over a pair group: the ranks meet it now
+                    seq.announced = True
+                    new.append(NewSequence(seq.slot, seq.req_id, seq.sampling, seq.state_slot))
                 chunks.append(chunk)
                 budget -= len(chunk.token_ids)
         while self.free_slots and budget > 0:
@@ -239,15 +189,17 @@ class Scheduler(Publishing, Speculating, PdFetching):
             if seq is None:
                 break
             chunk = self._admit(seq, budget)
-            if chunk is None:
+            if chunk is None and seq.arriving is None:
                 break
             self.waiting.remove(seq)
+            if chunk is None:  # admitted, its pages on their way (hkv/engine/pd_pairing.py)
+                continue
             new.append(NewSequence(seq.slot, seq.req_id, seq.sampling, seq.state_slot))
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
         if not chunks:
             self._reject_unfittable()
-            if not self._ops:
+            if not self._ops and not self._pair_poll_due():  # (a copies-only plan asks about transfers)
                 return None
         # a plan with ops and no chunks only copies (tier stores waiting on an idle engine)
         ops, self._ops = self._ops, []
@@ -355,7 +307,8 @@ class Scheduler(Publishing, Speculating, PdFetching):
             loaded, load_pages = self._extend_from_tier(txn, seq, hit.length)
             copied, copy_pages = self._extend_from_peer(txn, seq, hit.length + loaded)
             start = hit.length + loaded + copied
-            end, depths = self._chunk_end(seq, start, budget)
+            arriving = bool(copy_pages) and seq.peer_pair  # no chunk until they arrived
+            end, depths = (start, ()) if arriving else self._chunk_end(seq, start, budget)
             txn.reserve(tokens=end - start, state_slots=1 if self.limits.hybrid else 0)
             # Leave a page per running sequence so admitting does not force preemption next step.
             if self._spare_pages() < len(self.running):
@@ -380,13 +333,13 @@ class Scheduler(Publishing, Speculating, PdFetching):
         if loaded:
             self._ops.extend(self._load_ops(seq, load_pages))
         self._ops.extend(self._peer_copy_ops(seq, hit.length + loaded, copy_pages))
-        if loaded or copied:
+        if (loaded or copied) and not arriving:  # (an arriving prefix is published once it is there)
             if self.limits.hybrid:  # the loaded prefix becomes a device prefix, its checkpoint kept on the device
                 self._ops.extend(self.coord.publish(seq.req_id, seq.all_ids(), start, checkpoint=True).ops)
         if seq.tier is not None:  # loaded or not, the run is not needed after this plan
             self.tiers.release(seq.tier.lookup_id, after_plan=True)
             seq.tier = None
-        return self._chunk(seq, start, end, grant.checkpoints)
+        return None if arriving else self._chunk(seq, start, end, grant.checkpoints)
 
     def _extend_from_tier(self, txn, seq: Sequence, hit_tokens: int) -> tuple[int, tuple[int, ...]]:
         """Grow the device hit with the sequence's tier run: (tokens loaded, their fresh pages)."""
@@ -461,7 +414,8 @@ class Scheduler(Publishing, Speculating, PdFetching):
         self._finished.append(_delta(seq, [], "error", reason))
 
     def _newest_running(self) -> Sequence:
-        return max(self.running.values(), key=lambda s: s.admit_order)
+        """Preemption's victim (never an arriving sequence: a receive may be writing its pages)."""
+        return max((s for s in self.running.values() if s.arriving is None), key=lambda s: s.admit_order)
 
     def _preempt(self, seq: Sequence) -> None:
         """Give back all but its published prefix; it resumes from a cache hit later."""
@@ -487,6 +441,7 @@ class Scheduler(Publishing, Speculating, PdFetching):
         moves the live states on.
         """
         sent = self._sent.pop(plan.step, {})
+        self.on_transfers(result.transfers)  # (a failed transfer's error delta goes out with this result's)
         deltas, self._finished = self._finished, []  # held for a peer (or not) once, at the end
         if self.tiers is not None:
             self.tiers.step_done(plan.step, result.error is None)

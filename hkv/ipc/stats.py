@@ -14,7 +14,7 @@ from hkv.engine.validate import MAX_SPEC_TOKENS
 
 REGION = "router_stats"
 GRAPH_KINDS = ("decode", "short_prefill", "verify")  # StepResult.graph 1, 2, 3 (hkv.ipc.messages.STEP_*)
-VERSION = 6  # 5: cached_tokens_peer; 6: graph_steps_*
+VERSION = 7  # 5: cached_tokens_peer; 6: graph_steps_*; 7: pd_pair_*
 
 FIELDS = (
     "steps",  # steps run
@@ -53,6 +53,9 @@ FIELDS = (
     # counters: steps replayed from CUDA graphs, by kind: a decode graph, the parts' graphs of one short
     # prefill chunk, verify graphs (every row of a speculative step)
     *(f"graph_steps_{kind}" for kind in GRAPH_KINDS),
+    "pd_pair_ok",  # counter: prefill/decode transfers over a pair group that ended well (hkv/engine/pd_pairing.py)
+    "pd_pair_failed",  # counter: ... that failed (both ends rolled back)
+    "pd_pair_pages",  # counter: KV pages they moved (received on a decode instance, sent on a prefill one)
     "spec_tokens",  # constant: --spec-tokens (0: not speculating; /metrics then has no hkv_spec_*)
     "spec_verified",  # counter: draft tokens the target verified (speculative decoding)
     "spec_accepted",  # counter: ... of them accepted

@@ -72,6 +72,13 @@ class _EngineStatsCollector:
         for tier in CACHE_TIERS:
             hits.add_metric([tier], values[f"cached_tokens_{tier}"])
         yield hits
+        pair = CounterMetricFamily("hkv_pd_pair_transfers", "Prefill/decode transfers over a pair process group "
+                                   "(NCCL or gloo), by outcome", labels=["outcome"])
+        pair.add_metric(["ok"], values["pd_pair_ok"])
+        pair.add_metric(["failed"], values["pd_pair_failed"])
+        yield pair
+        yield CounterMetricFamily("hkv_pd_pair_pages", "KV pages those transfers moved (received by a decode "
+                                  "instance, sent by a prefill one)", value=values["pd_pair_pages"])
         for name, doc, key in (("hkv_radix_nodes", "Radix tree nodes", "radix_nodes"),
                                ("hkv_radix_checkpoints", "Radix nodes carrying a state checkpoint", "radix_checkpoints"),
                                ("hkv_engine_live_waiting", "Sequences waiting at the router", "waiting"),

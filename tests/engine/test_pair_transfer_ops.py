@@ -27,7 +27,7 @@ def _runner(seed: int | None, hybrid: bool = True) -> ModelRunner:
     runner.state = types.SimpleNamespace(conv=fill(2, 4, 3, 5), recurrent=fill(2, 4, 2, 4, 4)) if hybrid else None
     pools = [kv] + ([runner.state.conv, runner.state.recurrent] if hybrid else [])
     runner.pair = PairTransfers(pools, "gloo", "127.0.0.1", 10.0)
-    runner._refused = []
+    runner._refused, runner._handed = [], set()
     return runner
 
 
@@ -77,7 +77,7 @@ def test_a_bad_transfer_op_is_a_failed_transfer_not_a_failed_step():
     assert "outside a pool" in done[2].error and "prefix" in done[3].error
     assert not decode.kv.layers_view().any()
     bare = ModelRunner.__new__(ModelRunner)
-    bare.pair, bare.state, bare._refused = None, None, []
+    bare.pair, bare.state, bare._refused, bare._handed = None, None, [], set()
     bare._pair_transfer(PeerSend(5, "127.0.0.1:1", "x", [0], [0], None, None))
     assert bare._transfers() == [TransferDone(5, False, "this rank has no pair transfers (not a prefill or decode "
                                                          "instance)")]
@@ -94,3 +94,26 @@ def test_the_ops_and_their_ends_travel_in_plans_and_results():
     assert plan.ops == ops
     result = StepResult(5, [], 0.0, transfers=[TransferDone(1, True), TransferDone(2, False, "why")])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=StepResult) == result
+
+
+def test_a_step_that_fails_before_handing_a_transfer_over_reports_it_failed():
+    """An earlier op of the plan raises: the pair ops after it never reach their worker, so the result says so
+    (the router would otherwise wait for their end, holding the pages it reserved)."""
+    from hkv.cache.types import SaveCheckpoint
+    from hkv.ipc.messages import StepPlan
+
+    runner = _runner(None)
+    runner.sampling, runner.state_slots, runner.pages = {}, {}, None
+    runner.state.copy_slot = lambda src, dst: (_ for _ in ()).throw(RuntimeError("no such slot"))
+    refused = PeerRecv(3, "prefill-transporter", "p", [1], [99], 0, 1)  # handed over: refused at once, not queued
+    plan = StepPlan(step=1, new=[], chunks=[], freed=[], ops=[refused, SaveCheckpoint(0, 1, 16),
+                                                           PeerRecv(4, "prefill-transporter", "p", [1], [3], 0, 2)])
+    try:
+        result = runner.finish(runner.launch(plan))
+    finally:
+        runner.pair.close()
+    assert result.error == "RuntimeError: no such slot"
+    (three, four) = result.transfers
+    assert three.transfer_id == 3 and not three.ok and "outside a pool" in three.error
+    assert four == TransferDone(4, False, "its step failed first: RuntimeError")
+    assert runner._transfers() == []  # each reported once
