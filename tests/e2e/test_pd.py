@@ -84,12 +84,13 @@ def _launch_all(specs: list[tuple[list[str], dict | None, int | None]], tmp_path
 class Pd:
     """A prefill, a decode and a master instance, and the pids to check clean at the end."""
 
-    def __init__(self, model: list[str], tmp_path: Path, prefill_env: dict | None = None):
+    def __init__(self, model: list[str], tmp_path: Path, prefill_env: dict | None = None, transfer: str = "auto"):
         self.secret = _secret(tmp_path)
         self.model = model
         self.tmp_path = tmp_path
+        self.pair = transfer == "pair"  # the ranks move the pages over a gloo pair group, not the CPU tier
         common = [*model, "--secret-file", str(self.secret), "--pd-timeout", str(TIMEOUT_S),
-                  "--max-total-tokens", "4096", "--cpu-cache-gb", "0.05"]
+                  "--max-total-tokens", "4096", "--cpu-cache-gb", "0.05", "--pd-transfer", transfer]
         self.common = common
         self.prefill_port = free_port()
         self.prefill, self.decode = _launch_all([([*common, "--mode", "prefill"], prefill_env, self.prefill_port),
@@ -156,14 +157,30 @@ def _settled_metric(url: str, name: str, labels: str = "") -> float:
     return value
 
 
+def _wait_in_use_zero(name: str, pool: str) -> None:
+    """The pool's reservation is rolled back: at once on the CPU-tier path; on the pair path once the router's
+    next result reports the failed receive (its rank gives the rendezvous up within the timeout)."""
+    deadline = time.monotonic() + TIMEOUT_S + 5
+    while inspect_json(name)["pools"][pool]["in_use"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert inspect_json(name)["pools"][pool]["in_use"] == 0, inspect_json(name)["pools"]
+
+
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
 
 
+def _received(pd: Pd) -> tuple[float, float]:
+    """Pages the decode instance received (settled): over the CPU-tier path, over the pair group."""
+    return (_settled_metric(pd.decode.url, "hkv_pd_pages_total", '{direction="received"}'),
+            _settled_metric(pd.decode.url, "hkv_pd_pair_pages_total"))
+
+
 def _parity_and_second_turn(pd: Pd, reference) -> None:
     peer_label = '{tier="peer"}'
     peer_before = _metric(pd.decode.url, "hkv_cache_hit_tokens_total", peer_label)
+    tier_before, pair_before = _received(pd)
     prompts = _prompts(15, LENGTHS)
     answers = asyncio.run(_post_all(pd.master.url, [_body(p) for p in prompts]))
     for prompt, (status, answer) in zip(prompts, answers):
@@ -176,15 +193,22 @@ def _parity_and_second_turn(pd: Pd, reference) -> None:
         # every page wholly inside prompt[:-1] came from the prefill instance (nothing else was on the decode side)
         assert usage["cache"] == {"gpu": 0, "cpu": 0, "disk": 0, "peer": pages * PAGE}, (len(prompt), usage)
         assert usage["prompt_tokens_details"]["cached_tokens"] == pages * PAGE
+    # every page moved by the path asked for (the pair path: the five prompts with a full page, one transfer each)
+    tier_after, pair_after = _received(pd)
+    pages = sum((len(p) - 1) // PAGE for p in prompts)
+    assert (tier_after - tier_before, pair_after - pair_before) == ((0, pages) if pd.pair else (pages, 0))
+    if pd.pair:
+        assert _metric(pd.decode.url, "hkv_pd_pair_transfers_total", '{outcome="ok"}') >= 5
+        assert _metric(pd.prefill.url, "hkv_pd_pair_pages_total") >= pages
     # a second turn: the decode side holds the first turn, so only the new pages move
     first, extra = _prompts(16, [300, 60])
     one = _complete(pd.master.url, first)
-    received = _settled_metric(pd.decode.url, "hkv_pd_pages_total", '{direction="received"}')
+    received = _received(pd)[pd.pair]
     turn = first + one["choices"][0]["token_ids"] + extra
     two = _complete(pd.master.url, turn)
     assert_greedy_parity(reference, turn, two["choices"][0]["token_ids"])
     cache = two["usage"]["cache"]
-    moved = _settled_metric(pd.decode.url, "hkv_pd_pages_total", '{direction="received"}') - received
+    moved = _received(pd)[pd.pair] - received
     new_pages = (len(turn) - 1) // PAGE - (len(first) + OUT) // PAGE
     assert cache["gpu"] >= (len(first) + OUT) // PAGE * PAGE - 256, cache  # the first turn, from the device
     assert 0 < moved <= new_pages + 1, (moved, new_pages, cache)
@@ -193,8 +217,11 @@ def _parity_and_second_turn(pd: Pd, reference) -> None:
     served = sum(a["usage"]["cache"]["peer"] for _, a in answers) + one["usage"]["cache"]["peer"] + cache["peer"]
     assert _metric(pd.decode.url, "hkv_cache_hit_tokens_total", peer_label) - peer_before == served
     report = inspect_json(pd.decode.name)
-    assert report["pd"]["mode"] == "decode" and report["pd"]["pages_received"] >= moved, report["pd"]
-    assert report["pd"]["frames"]["accepted"] > 0 and report["tiers"]["peer"]["cached_tokens_served"] >= served
+    assert report["pd"]["mode"] == "decode", report["pd"]
+    assert (report["pd"]["pair"]["pages"] if pd.pair else report["pd"]["pages_received"]) >= moved, report["pd"]
+    asked = inspect_json(pd.prefill.name)["pd"] if pd.pair else report["pd"]  # the side that read peer frames
+    assert asked["frames"]["accepted"] > 0 and report["tiers"]["peer"]["cached_tokens_served"] >= served
+    assert not pd.pair or asked["pair_asks_received"] >= 6, asked
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +243,26 @@ def test_hybrid_output_through_the_master_equals_transformers(hybrid_pd, hybrid_
     _parity_and_second_turn(hybrid_pd, hybrid_reference)
 
 
-def test_dense_output_through_the_master_equals_transformers(qwen3_dir, qwen3_reference, tmp_path):
-    pd = Pd(["--model", str(qwen3_dir)], tmp_path)
+@pytest.fixture(scope="module")
+def hybrid_pair_pd(tmp_path_factory):
+    pd = Pd(["--model", "tiny-hybrid-random"], tmp_path_factory.mktemp("pd-pair"), transfer="pair")
+    yield pd
+    pd.stop()
+
+
+def test_hybrid_output_over_a_pair_group_equals_transformers_and_binds_only_loopback(hybrid_pair_pd,
+                                                                                     hybrid_reference):
+    """The NCCL path's code over gloo: the ranks move the held pages and checkpoints (DESIGN.md section 4)."""
+    pd = hybrid_pair_pd
+    _parity_and_second_turn(pd, hybrid_reference)
+    # the decode rank's rendezvous store and both ranks' gloo sockets listen on --host only
+    addresses = bound_addresses(pd.prefill.actor_pids() + pd.decode.actor_pids())
+    assert addresses and all(a.split(":")[0] == "0100007F" for a in addresses), addresses
+
+
+@pytest.mark.parametrize("transfer", ["auto", "pair"])
+def test_dense_output_through_the_master_equals_transformers(qwen3_dir, qwen3_reference, tmp_path, transfer):
+    pd = Pd(["--model", str(qwen3_dir)], tmp_path, transfer=transfer)
     try:
         _parity_and_second_turn(pd, qwen3_reference)
     finally:
@@ -251,7 +296,8 @@ def test_bad_frames_are_rejected_and_counted_and_only_loopback_is_bound(hybrid_p
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             now = {r: _metric(pd.prefill.url, "hkv_pd_frames_rejected_total", f'{{reason="{r}"}}') for r in before}
-            if now["replay"] > before["replay"] and now["parts"] > before["parts"]:
+            if (now["replay"] > before["replay"] and now["parts"] > before["parts"]
+                    and now["magic"] + now["short"] >= before["magic"] + before["short"] + 4):
                 break
             time.sleep(0.3)
     finally:
@@ -275,8 +321,12 @@ def test_bad_frames_are_rejected_and_counted_and_only_loopback_is_bound(hybrid_p
             assert not re.search(rf"(0\.0\.0\.0|\*|\[::\]):{port}\s", listed), (port, listed)
 
 
-def test_a_prefill_instance_killed_mid_transfer_rolls_back_and_is_replaced(hybrid_pd, tmp_path):
-    pd = hybrid_pd
+@pytest.mark.parametrize("path", ["tier", "pair"])
+def test_a_prefill_instance_killed_mid_transfer_rolls_back_and_is_replaced(path, request, tmp_path):
+    """CPU-tier path: the prefill transporter stalls the pull, the decode side holds CPU-tier entries. Pair path:
+    it stalls the ask for the send, the decode side holds device pages and its rank waits in the rendezvous."""
+    pd = request.getfixturevalue("hybrid_pair_pd" if path == "pair" else "hybrid_pd")
+    pool = "gpu_pages" if path == "pair" else "cpu_pages"
     port = free_port()
     common = pd.common
     stalled = launch([*common, "--mode", "prefill"], tmp_path, env={"HKV_PD_STALL_PULL_S": "60"}, port=port)
@@ -288,10 +338,10 @@ def test_a_prefill_instance_killed_mid_transfer_rolls_back_and_is_replaced(hybri
     thread = threading.Thread(target=lambda: result.update(answer=asyncio.run(_post_all(master.url, [_body(prompt)]))))
     try:
         thread.start()
-        deadline = time.monotonic() + 30  # the decode side reserves, then waits on the stalled pull
-        while time.monotonic() < deadline and inspect_json(pd.decode.name)["pools"]["cpu_pages"]["in_use"] == 0:
+        deadline = time.monotonic() + 30  # the decode side reserves, then waits on the stalled peer
+        while time.monotonic() < deadline and inspect_json(pd.decode.name)["pools"][pool]["in_use"] == 0:
             time.sleep(0.05)
-        assert inspect_json(pd.decode.name)["pools"]["cpu_pages"]["in_use"] > 0, "no reservation seen"
+        assert inspect_json(pd.decode.name)["pools"][pool]["in_use"] > 0, "no reservation seen"
         killed_at = time.monotonic()
         for pid in [stalled.proc.pid, *stalled.actor_pids()]:
             os.kill(pid, signal.SIGKILL)
@@ -304,7 +354,7 @@ def test_a_prefill_instance_killed_mid_transfer_rolls_back_and_is_replaced(hybri
         assert "timed out" in text or "error" in text, answer  # a clean error, never a silent truncation
         if status == 200:
             assert answer["choices"][0]["finish_reason"] == "error", answer
-        assert inspect_json(pd.decode.name)["pools"]["cpu_pages"]["in_use"] == 0
+        _wait_in_use_zero(pd.decode.name, pool)
         stalled.proc.wait(10)
         # the replacement on the same port: the master finds its new transporter and the request succeeds
         replacement = launch([*common, "--mode", "prefill"], tmp_path, port=port)
