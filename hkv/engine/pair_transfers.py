@@ -4,7 +4,10 @@ The second building block of that path, after hkv/storage/pair_group.py: a
 rank hands a transfer to `PairTransfers` and goes on running steps; a worker
 thread per peer forms the pair group when needed, moves the pages, and the
 rank collects what ended with `finished()` (for its next StepResult). The
-routers and transporters do not drive it yet (docs/pd.md, "Not built yet").
+routers drive it through PeerSend / PeerRecv plan ops (hkv/engine/pd_pairing.py),
+and each transfer that went well is logged with its size and time (CUDA-event
+timed on the worker's stream; on the prefill side, whose receiver is already
+waiting, that is the transfer's own bandwidth).
 
     decode rank                                   prefill rank
     t = PairTransfers(pools, "nccl", host, 30)    t = PairTransfers(pools, "nccl", host, 30)
@@ -234,14 +237,18 @@ class PairTransfers:
         if job.prefix == peer.failed:  # queued for a group that failed since: the peer was told to join that one
             self._report(job.transfer_id, False, "its pair group failed before it ran")
             return
+        started, began, ended, moved = time.perf_counter(), None, None, 0
         try:
             try:
                 if stream is not None:
                     with torch.cuda.stream(stream):
                         stream.wait_event(job.ready)
-                        self._move(peer, job)
+                        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        began.record(stream)
+                        moved = self._move(peer, job)
+                        ended.record(stream)
                 else:
-                    self._move(peer, job)
+                    moved = self._move(peer, job)
             finally:
                 if stream is not None:
                     stream.synchronize()  # a failure is reported once nothing still touches the pages
@@ -250,6 +257,9 @@ class PairTransfers:
             self._drop_group(peer, failed=True)
             self._report(job.transfer_id, False, str(exc) or type(exc).__name__)
             return
+        ms = began.elapsed_time(ended) if began is not None else (time.perf_counter() - started) * 1e3
+        log.info("pair transfer %d %s %s: %.1f MiB in %.2f ms (%.1f GB/s)", job.transfer_id,
+                 "to" if job.address else "from", key, moved / 2**20, ms, moved / max(ms, 1e-6) / 1e6)
         self._report(job.transfer_id, True, None)
 
     def _fail_queued(self, peer: _Peer, why: str) -> None:
@@ -261,8 +271,8 @@ class PairTransfers:
             if job is not None:
                 self._report(job.transfer_id, False, why)
 
-    def _move(self, peer: _Peer, job: _Job) -> None:
-        """Join the group the job names (leaving another one), then move its pages."""
+    def _move(self, peer: _Peer, job: _Job) -> int:
+        """Join the group the job names (leaving another one), then move its pages; the bytes moved."""
         if peer.group is not None and peer.prefix != job.prefix:
             self._drop_group(peer, failed=False)
         if peer.group is None:
@@ -272,9 +282,8 @@ class PairTransfers:
             else:  # decode side: pair rank 1, through a client of its own store
                 peer.group = PairGroup(self._address, job.prefix, 1, self.backend, self.timeout_s, self.bind)
         if job.address:
-            peer.group.send_pages(self.pools, job.runs, tag=job.transfer_id)
-        else:
-            peer.group.recv_pages(self.pools, job.runs, tag=job.transfer_id)
+            return peer.group.send_pages(self.pools, job.runs, tag=job.transfer_id)
+        return peer.group.recv_pages(self.pools, job.runs, tag=job.transfer_id)
 
     @staticmethod
     def _drop_group(peer: _Peer, failed: bool) -> None:
