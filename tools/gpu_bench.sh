@@ -2,7 +2,7 @@
 # One device call for the served numbers of issues 11, 12 and 13 (and the built-in model's training, issue 18) on the benchmark model
 # (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
 #   run: bash tools/gpu_bench.sh [parts: train,spec(-test,-bench,-tiny),launch,launch-only,i11,prefix,i12,i13,pd-test,
-#        pd-bench,decode,sweep;
+#        pd-bench,pd2 (two GPUs),decode,sweep;
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
@@ -81,7 +81,7 @@ if wants launch || wants launch-only; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
 fi
-{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
+{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench || wants pd2; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
 if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
@@ -196,6 +196,14 @@ if wants pd-bench; then  # issue 15: a 32k-token prompt's transfer against a dev
   say "PD bench: tools/bench_pd.py on the benchmark model"
   timeout 500 python3 -m tools.bench_pd --model "$MODEL" --prompt-tokens "${PD_TOKENS:-32768}" --rounds "${PD_ROUNDS:-4}" --loaded-rounds 4 \
     --json "$OUT/pd.json" 2>&1 | tail -14 | tee -a "$LOG"
+fi
+if wants pd2; then  # issue 17 (nvidia-h200-x2): prefill on GPU 0, decode on GPU 1 over NCCL, against one instance
+  say "PD across two GPUs: tests/e2e/test_cuda_pd2.py (fp32 parity over NCCL), $(nvidia-smi -L | wc -l) GPUs"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=280 tests/e2e/test_cuda_pd2.py \
+    2>&1 | grep -v "weights:" | tail -8 | tee -a "$LOG"
+  say "PD across two GPUs: tools/bench_pd2.py on the benchmark model"
+  timeout 580 python3 -m tools.bench_pd2 --model "$MODEL" --rounds "${PD_ROUNDS:-3}" --concurrency 32 \
+    --json "$OUT/pd2.json" 2>&1 | grep -v Warning | tail -14 | tee -a "$LOG"
 fi
 if wants decode; then
   say "in-process decode step"
