@@ -134,7 +134,7 @@ class PdPairing:
         hold = held[0]
         src = list(hold.pages[msg.first : msg.first + len(msg.dst_pages)])
         hybrid = self.limits.hybrid
-        if (len(src) != len(msg.dst_pages) or msg.first + len(src) != len(hold.pages) or msg.transfer_id < 0
+        if (not src or len(src) != len(msg.dst_pages) or msg.first + len(src) != len(hold.pages) or msg.transfer_id < 0
                 or (msg.dst_slot is not None) != hybrid or (hybrid and (hold.checkpoint is None or msg.dst_slot < 0))
                 or any(p < 0 for p in msg.dst_pages)):
             self.pd_malformed += 1
@@ -180,7 +180,8 @@ class PdPairing:
 
     def _pair_poll_due(self) -> bool:
         """A plan with nothing to run is still sent now and then while transfers are out."""
-        if not self.awaiting_transfers() or time.monotonic() < self._poll_at:
-            return False
+        return self.awaiting_transfers() and time.monotonic() >= self._poll_at
+
+    def _pair_plan_built(self) -> None:
+        """Any plan asks the ranks about transfers: the next copies-only one is due PAIR_POLL_S after it."""
         self._poll_at = time.monotonic() + PAIR_POLL_S
-        return True

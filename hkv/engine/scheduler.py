@@ -194,6 +194,7 @@ class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
             self.waiting.remove(seq)
             if chunk is None:  # admitted, its pages on their way (hkv/engine/pd_pairing.py)
                 continue
+            seq.announced = True  # (one arrived, then preempted before its first chunk, is admitted again here)
             new.append(NewSequence(seq.slot, seq.req_id, seq.sampling, seq.state_slot))
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
@@ -213,6 +214,7 @@ class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
         if self.tiers is not None:
             self.tiers.plan_built(step)
         self._peer_plan_built(step)
+        self._pair_plan_built()
         return plan
 
     def _next_ready(self) -> Sequence | None:
