@@ -271,8 +271,8 @@ def _scheduling_flags(p: argparse.ArgumentParser) -> None:
                    help="positions of draft-layer K/V kept per request: 0 = full length, paged like the target; "
                         "W > 0 = a ring of the last W, at least --spec-tokens + 1 (default: 0)")
     g.add_argument("--no-cuda-graph", action="store_true",
-                   help="run decode, verify and short one-sequence prefill steps eagerly on CUDA, no captured "
-                        "graphs (default: graphs on)")
+                   help="run decode, verify, short one-sequence prefill and mixed steps eagerly on CUDA, no "
+                        "captured graphs (default: graphs on)")
     g.add_argument("--cuda-graph-max-bs", type=_positive_int, default=None,
                    help="largest decode batch captured in a CUDA graph (with --spec-tokens K: verify batch, at "
                         "most 512 / (K + 1)); larger ones run eagerly (default: --max-running-requests)")

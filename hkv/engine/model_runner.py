@@ -7,8 +7,9 @@ sent) and never decides anything.
 On CUDA a step's arrays and kernel metadata go to the device in one copy (a
 StepArena), page ids are mirrored incrementally (DevicePageTable), and decode
 steps replay CUDA graphs (hkv/engine/cuda_graphs.py), so do steps of one short
-prefill chunk (hkv/engine/prefill_graphs.py); other prefill and mixed steps run
-eagerly over the same kind of batch. On CPU the batch is built as plain
+prefill chunk (hkv/engine/prefill_graphs.py) and mixed steps of decode rows and
+one short prefill chunk (the decode graph of the rows, then the chunk's parts);
+other prefill and mixed steps run eagerly over the same kind of batch. On CPU the batch is built as plain
 tensors and the forward runs the pure-torch references.
 """
 
@@ -26,12 +27,12 @@ from hkv.cache.types import (
 )  # fmt: skip
 from hkv.engine.cuda_graphs import DecodeGraphs
 from hkv.engine.pair_transfers import PairTransferError
-from hkv.engine.prefill_graphs import PrefillGraphs
+from hkv.engine.prefill_graphs import PrefillGraphs, parts_of
 from hkv.engine.sampler import PendingSample, SampleRow, sample_async
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import (
-    STEP_DECODE_GRAPH, STEP_EAGER, STEP_SHORT_PREFILL_GRAPHS, Sampled, SamplingParams, StepPlan, StepResult,
-    TransferDone,
+    STEP_DECODE_GRAPH, STEP_EAGER, STEP_MIXED_GRAPHS, STEP_SHORT_PREFILL_GRAPHS, Chunk, Sampled, SamplingParams,
+    StepPlan, StepResult, TransferDone,
 )  # fmt: skip
 from hkv.ipc.request_table import RequestTable
 from hkv.models.batch import ForwardBatch
@@ -389,8 +390,9 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The plan's forward: logits [S, vocab] of its sampling chunks, their request-table rows [S]
         on the device, and how it ran (StepResult.graph): a graph replay for decode steps that fit a
-        captured bucket, graph replays of its parts for one short prefill chunk, an eager forward
-        otherwise. Fed-in tokens (Chunk.follows) come from `last_tokens`."""
+        captured bucket, graph replays of its parts for one short prefill chunk, both for decode rows
+        beside one short prefill chunk, an eager forward otherwise. Fed-in tokens (Chunk.follows) come
+        from `last_tokens`."""
         inputs = StepInputs.of(plan.chunks, self.table, self.page_size,
                                self.state_slots if self.state is not None else None)
         if self.pages is None:
@@ -404,9 +406,44 @@ class ModelRunner:
         parts = self.prefill_graphs.parts(inputs) if self.prefill_graphs is not None else None
         if parts:
             return *self.prefill_graphs.replay(inputs, parts, idx, vals), STEP_SHORT_PREFILL_GRAPHS
+        mixed = self._mixed_parts(plan.chunks)
+        if mixed is not None:
+            return *self._replay_mixed(plan.chunks, *mixed, idx, vals), STEP_MIXED_GRAPHS
         batch, views = self.cuda_batch(inputs, idx, vals)
         self.feed(batch.input_ids, views["follow_idx"], views["follow_rows"])
         return self.model(batch, self.kv, self.state), views["sample_rows"], STEP_EAGER
+
+    def _mixed_parts(self, chunks: list[Chunk]) -> tuple[int, list[int]] | None:
+        """(index, parts) of the one short prefill chunk of a mixed step the graphs can run, or None:
+        every other chunk a decode row (one token, sampled) and their count within a decode bucket, the
+        prefill chunk 2 .. 2 * largest - 1 tokens without in-chunk checkpoints or a fed-in token."""
+        if self.graphs is None or self.prefill_graphs is None or not self.prefill_graphs.graphs or len(chunks) < 2:
+            return None
+        prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) != 1 or not c.sample]
+        if len(prefill) != 1 or self.graphs.bucket(len(chunks) - 1) is None:
+            return None
+        chunk = chunks[prefill[0]]
+        if chunk.checkpoints or chunk.follows or chunk.drafts:
+            return None
+        parts = parts_of(len(chunk.token_ids), self.prefill_graphs.largest)
+        return (prefill[0], parts) if parts else None
+
+    def _replay_mixed(self, chunks: list[Chunk], p: int, parts: list[int], idx: np.ndarray, vals: np.ndarray
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode rows from their bucket's graph, then chunk p from its parts' graphs: two forwards
+        over disjoint sequences (each reads the weights once), far below an eager step's host time.
+        Logits and sampling rows come back in plan order."""
+        state_of = self.state_slots if self.state is not None else None
+        rows = StepInputs.of(chunks[:p] + chunks[p + 1 :], self.table, self.page_size, state_of)
+        chunk = StepInputs.of([chunks[p]], self.table, self.page_size, state_of)
+        its = idx // self.pages.max_pages == chunks[p].slot  # the page-table pairs of chunk p's row
+        logits, sample_rows = self.graphs.replay(rows, idx[~its], vals[~its], self.feed)
+        chunk_logits, chunk_rows = self.prefill_graphs.replay(chunk, parts, idx[its], vals[its])
+        if not chunks[p].sample:
+            return logits, sample_rows
+        # every chunk before p samples (decode rows): p is its place among the sampled rows
+        return (torch.cat((logits[:p], chunk_logits, logits[p:])),
+                torch.cat((sample_rows[:p], chunk_rows, sample_rows[p:])))
 
     def feed(self, input_ids: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
         """input_ids[idx[i]] = the token row rows[i] sampled last (a device gather, no wait)."""

@@ -3,7 +3,9 @@
 A step whose only chunk is one sequence's n new tokens, 1 < n < 2 * PREFILL_GRAPH_TOKENS (a chat
 turn after a prefix hit, a tier hit's tail, a short prompt), runs as the graphs of the powers of two
 that sum to n, largest first, back to back: n = 100 replays the 64-, 32- and 4-token graphs, each
-over the next part of the chunk (an odd n ends with the 1-token graph).
+over the next part of the chunk (an odd n ends with the 1-token graph). A mixed step of decode rows
+and one such chunk (a prompt arriving while others decode) replays the rows' decode graph, then the
+chunk's parts (ModelRunner._replay_mixed): the two forwards touch disjoint sequences.
 
     chunk      [ 64 tokens            | 32 tokens    | 4 ]   one sequence, start s
     replay     graph(64): kv s + 64     graph(32): s + 96    graph(4): s + 100, its last row sampled
@@ -22,7 +24,7 @@ of k parts costs k such forwards: still far below the host time of one eager for
 Why: an eager step costs host time per launch (an eager forward of the benchmark model issues
 about 600 kernels; docs/benchmarks.md), so a 64-token step after a long hit was host-bound: on an
 H200 the CPU-tier hit of issue 13 went from 50 ms to 21 ms of TTFT with these graphs. Steps with
-in-chunk checkpoints, fed-in tokens or other sequences stay eager. Off CUDA (tests) the same arena
+in-chunk checkpoints, fed-in tokens or two prefill chunks stay eager. Off CUDA (tests) the same arena
 and parts run eagerly, as DecodeGraphs does.
 """
 
@@ -39,7 +41,7 @@ from hkv.models.batch import ForwardBatch
 from hkv_kernels.meta import StepArena, attention_tile, kernel_meta, meta_arrays
 
 log = logging.getLogger("hkv.rank")
-PREFILL_GRAPH_TOKENS = 128  # the largest bucket; buckets are the powers of two from 1 up to it
+PREFILL_GRAPH_TOKENS = 512  # the largest bucket; buckets are the powers of two from 1 up to it
 _FIXED = ("q_start", "q_len", "cu_seqlens", "logits_indices", "attn_block_seq", "attn_block_tok",
           "conv_block_seq", "conv_block_tok", "fla_chunk_indices", "fla_chunk_offsets")
 _VARYING = ("input_ids", "positions", "slot_mapping", "kv_len", "table_rows", "state_slots")

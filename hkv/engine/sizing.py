@@ -12,7 +12,7 @@ shared prefixes evict each other's checkpoints while the KV pool sat mostly empt
 The activation peak is measured: one eager forward of the step token budget over a
 throwaway pool, with the allocator's peak counter reset. The graphs' share is a
 reserve (the static logits of the largest bucket plus headroom: the short-prefill graphs'
-pool, one sequence of at most 128 tokens, lives in that headroom), logged with the rest.
+pool, one sequence of at most 512 tokens, lives in that headroom), logged with the rest.
 Explicit --max-total-tokens skips all of this.
 """
 

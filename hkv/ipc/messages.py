@@ -374,8 +374,9 @@ class Sampled(msgspec.Struct, frozen=True, array_like=True):
 
 
 # How a step's forward ran (StepResult.graph): eagerly (every CPU step, and a speculative step only partly
-# replayed), or replayed from CUDA graphs; hkv.ipc.stats.GRAPH_KINDS[g - 1] names graph kind g
-STEP_EAGER, STEP_DECODE_GRAPH, STEP_SHORT_PREFILL_GRAPHS, STEP_VERIFY_GRAPHS = 0, 1, 2, 3
+# replayed), or replayed from CUDA graphs (a mixed step: a decode graph and a short chunk's parts);
+# hkv.ipc.stats.GRAPH_KINDS[g - 1] names graph kind g
+STEP_EAGER, STEP_DECODE_GRAPH, STEP_SHORT_PREFILL_GRAPHS, STEP_VERIFY_GRAPHS, STEP_MIXED_GRAPHS = 0, 1, 2, 3, 4
 
 
 class TransferDone(msgspec.Struct, frozen=True, array_like=True):

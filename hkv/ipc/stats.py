@@ -13,8 +13,8 @@ import numpy as np
 from hkv.engine.validate import MAX_SPEC_TOKENS
 
 REGION = "router_stats"
-GRAPH_KINDS = ("decode", "short_prefill", "verify")  # StepResult.graph 1, 2, 3 (hkv.ipc.messages.STEP_*)
-VERSION = 7  # 5: cached_tokens_peer; 6: graph_steps_*; 7: pd_pair_*
+GRAPH_KINDS = ("decode", "short_prefill", "verify", "mixed")  # StepResult.graph 1 to 4 (hkv.ipc.messages.STEP_*)
+VERSION = 8  # 5: cached_tokens_peer; 6: graph_steps_*; 7: pd_pair_*; 8: graph_steps_mixed
 
 FIELDS = (
     "steps",  # steps run
@@ -51,7 +51,7 @@ FIELDS = (
     "malformed_rank_in",  # counter: plans rank 0 dropped (undecodable), as its results report
     "failed_steps",  # counter: steps whose result carried an error
     # counters: steps replayed from CUDA graphs, by kind: a decode graph, the parts' graphs of one short
-    # prefill chunk, verify graphs (every row of a speculative step)
+    # prefill chunk, verify graphs (every row of a speculative step), a decode graph and one short chunk's parts
     *(f"graph_steps_{kind}" for kind in GRAPH_KINDS),
     "pd_pair_ok",  # counter: prefill/decode transfers over a pair group that ended well (hkv/engine/pd_pairing.py)
     "pd_pair_failed",  # counter: ... that failed (both ends rolled back)

@@ -43,7 +43,7 @@ TOKEN = 5
 class FakeRank:
     """Answers each plan: `mode` "ok" samples TOKEN, "fail" fails the step, "bad" samples a token past the
     vocabulary, "hold" answers only once `release` is set, "graphs" samples TOKEN and reports the step as
-    replayed from graph kind step % 5 (4: no kind there is)."""
+    replayed from graph kind step % 6 (5: no kind there is)."""
 
     inbox: DgramReceiver
     outbox: DgramSender
@@ -65,7 +65,7 @@ class FakeRank:
         if self.mode == "fail":
             return StepResult(plan.step, [], 0.0, "RuntimeError: the device is on fire")
         token = 10**6 if self.mode == "bad" else TOKEN
-        graph = plan.step % 5 if self.mode == "graphs" else 0
+        graph = plan.step % 6 if self.mode == "graphs" else 0
         return StepResult(plan.step, [Sampled(c.slot, token, None, None) for c in plan.chunks if c.sample], 0.0,
                           graph=graph)
 
@@ -231,7 +231,7 @@ async def test_steps_are_counted_by_the_graph_kind_their_rank_reports():
             await env.generate(req_id, [7, 8, 9], max_tokens=4)
             await env.finished(req_id)
         values = env.stats.read()
-        kinds = [p.step % 5 for p in env.rank.plans]
-        assert [values[f"graph_steps_{k}"] for k in stats.GRAPH_KINDS] == [kinds.count(g) for g in (1, 2, 3)]
-        assert sum(kinds.count(g) for g in (1, 2, 3)) > 0  # some steps of each run replayed
-        assert values["steps"] == len(env.rank.plans)  # a value past the kinds (4) counted as a step only
+        kinds = [p.step % 6 for p in env.rank.plans]
+        assert [values[f"graph_steps_{k}"] for k in stats.GRAPH_KINDS] == [kinds.count(g) for g in (1, 2, 3, 4)]
+        assert sum(kinds.count(g) for g in (1, 2, 3, 4)) > 0  # some steps of each run replayed
+        assert values["steps"] == len(env.rank.plans)  # a value past the kinds (5) counted as a step only

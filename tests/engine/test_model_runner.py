@@ -84,7 +84,7 @@ class Driver:
 PLANS = [
     ([(0, list(range(3, 23))), (2, [5, 6, 7, 8, 9])], [0, 2]),  # two prefills
     ([(0, [11]), (2, [12])], []),  # decode, bucket 2
-    ([(0, [13]), (4, list(range(30, 37)))], [4]),  # decode + prefill: eager
+    ([(0, [13]), (4, list(range(30, 37)))], [4]),  # decode + prefill: a mixed step (graphs on the device path)
     ([(0, [14]), (2, [15]), (4, [16])], []),  # decode, bucket 4 with one padded row
     ([(2, [17])], []),  # decode, bucket 1
 ]
@@ -114,7 +114,7 @@ def test_device_path_computes_the_cpu_path(kind, monkeypatch):
         for a, b in zip(got, want):
             assert abs(a.logprob - b.logprob) < 1e-5
             assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
-    assert replays == [2, 3, 1]  # the decode-only steps replayed their buckets (2, 4 and 1)
+    assert replays == [2, 1, 3, 1]  # the decode rows replayed their buckets (2, 1 in the mixed step, 4, 1)
     if kind == "hybrid":  # the live states match too; the scratch slot took the padded rows
         assert torch.allclose(fast.state.recurrent[:, :SLOTS], plain.state.recurrent, atol=1e-6)
 

@@ -1,5 +1,6 @@
 """Short one-sequence prefill chunks through the prefill graphs' arena and parts (replayed eagerly
-on CPU, as the decode graphs are in test_model_runner) compute what the plain CPU path computes."""
+on CPU, as the decode graphs are in test_model_runner), alone or beside decode rows (a mixed step:
+the decode graph, then the chunk's parts), compute what the plain CPU path computes."""
 
 from __future__ import annotations
 
@@ -7,34 +8,40 @@ import pytest
 import torch
 
 from hkv.engine.prefill_graphs import PREFILL_GRAPH_TOKENS, PrefillGraphs, buckets, parts_of
-from hkv.ipc.messages import STEP_DECODE_GRAPH, STEP_EAGER, STEP_SHORT_PREFILL_GRAPHS
+from hkv.ipc.messages import STEP_DECODE_GRAPH, STEP_EAGER, STEP_MIXED_GRAPHS, STEP_SHORT_PREFILL_GRAPHS
 from hkv.ipc.request_table import RequestTable, TableLayout
 from tests.engine.test_model_runner import SLOTS, Driver, _model, _runner
 
 
 def test_parts_are_the_binary_digits_within_the_buckets():
     assert buckets(8) == [1, 2, 4, 8]
-    assert buckets() == [1, 2, 4, 8, 16, 32, 64, 128] and PREFILL_GRAPH_TOKENS == 128
+    assert buckets() == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] and PREFILL_GRAPH_TOKENS == 512
     assert parts_of(64) == [64]
     assert parts_of(100) == [64, 32, 4]
     assert parts_of(13) == [8, 4, 1]
     assert parts_of(255) == [128, 64, 32, 16, 8, 4, 2, 1]
     assert parts_of(1) is None and parts_of(0) is None  # decode steps, empty chunks: not here
-    assert parts_of(256) is None and parts_of(15, largest=4) is None and parts_of(7, largest=4) == [4, 2, 1]
-    for n in range(2, 256):
+    assert parts_of(255, largest=128) == [128, 64, 32, 16, 8, 4, 2, 1] and parts_of(256, largest=128) is None
+    assert parts_of(1023) == [512, 256, 128, 64, 32, 16, 8, 4, 2, 1] and parts_of(1024) is None
+    assert parts_of(15, largest=4) is None and parts_of(7, largest=4) == [4, 2, 1]
+    for n in range(2, 1024):
         parts = parts_of(n)
         assert sum(parts) == n and parts == sorted(set(parts), reverse=True) and set(parts) <= set(buckets())
 
 
-# (work, new sequences, checkpoints): which plans replay which parts
+# (work, new sequences, checkpoints, parts replayed, how the step ran): which plans replay which parts
+EAGER, DECODE, SHORT, MIXED = STEP_EAGER, STEP_DECODE_GRAPH, STEP_SHORT_PREFILL_GRAPHS, STEP_MIXED_GRAPHS
 PLANS = [
-    ([(0, list(range(3, 23)))], [0], None, [16, 4]),  # a fresh 20-token prompt
-    ([(0, [11])], [], None, None),  # a decode step: the decode graphs
-    ([(0, [(5 * i) % 90 + 3 for i in range(13)])], [], None, [8, 4, 1]),  # a turn after 21 cached tokens
-    ([(2, list(range(40, 47))), (0, [9])], [2], None, None),  # two sequences: eager
-    ([(4, [(7 * i) % 96 for i in range(70)])], [4], {4: [[64, 5]]}, None),  # in-chunk checkpoint: eager
-    ([(4, [(3 * i) % 96 for i in range(36)])], [], None, [32, 4]),  # 36 tokens after 70 (40 pages in all)
-    ([(2, [1, 2])], [], None, [2]),
+    ([(0, list(range(3, 23)))], [0], None, [16, 4], SHORT),  # a fresh 20-token prompt
+    ([(0, [11])], [], None, None, DECODE),  # a decode step: the decode graphs
+    ([(0, [(5 * i) % 90 + 3 for i in range(13)])], [], None, [8, 4, 1], SHORT),  # a turn after 21 cached tokens
+    ([(2, list(range(40, 47))), (0, [9])], [2], None, [4, 2, 1], MIXED),  # a new prompt beside a decode row
+    ([(4, [(7 * i) % 96 for i in range(70)])], [4], {4: [[64, 5]]}, None, EAGER),  # in-chunk checkpoint: eager
+    # 36 tokens after 70 between two decode rows: its logits go back in plan order
+    ([(0, [10]), (4, [(3 * i) % 96 for i in range(36)]), (2, [12])], [], None, [32, 4], MIXED),
+    ([(2, [1, 2]), (0, [13]), (4, [5, 6, 7])], [], None, None, EAGER),  # two chunks beside a decode row: eager
+    ([(0, [14]), (4, [8, 9]), (2, [15])], [], None, [2], MIXED),
+    ([(2, [3, 4])], [], None, [2], SHORT),
 ]
 
 
@@ -47,20 +54,21 @@ def test_short_chunks_replay_their_parts_and_match_the_cpu_path(kind, monkeypatc
     model = _model(kind)
     layout = TableLayout(slots=SLOTS, max_pages=80)
     tables = [RequestTable(layout, memoryview(bytearray(layout.nbytes()))) for _ in range(2)]
-    plain, fast = _runner(model, tables[0], False), _runner(model, tables[1], True, max_tokens=256)
+    plain, fast = (_runner(model, tables[0], False, pages=64),
+                   _runner(model, tables[1], True, max_tokens=256, pages=64))
     fast.capture_graphs()
-    assert sorted(fast.prefill_graphs.batches) == buckets()
+    assert sorted(fast.prefill_graphs.batches) == buckets(256)  # a row of 80 pages of 4 tokens: 320 positions
     drivers = [Driver(t) for t in tables]
-    for work, new, checkpoints, parts in PLANS:
-        if kind == "dense" and checkpoints:
-            checkpoints, parts = None, [64, 4, 2]  # dense models keep no linear state: no checkpoint, a graph
+    for d in drivers:
+        d.free = list(range(64))[::-1]
+    for work, new, checkpoints, parts, ran in PLANS:
+        if kind == "dense" and checkpoints:  # dense models keep no linear state: no checkpoint, a graph
+            checkpoints, parts, ran = None, [64, 4, 2], SHORT
         before = len(replays)
         results = [runner.execute(d.plan(work, new, checkpoints)) for runner, d in zip((plain, fast), drivers)]
         assert results[0].error is None and results[1].error is None, results
         assert replays[before:] == ([parts] if parts else [])
-        decode = all(len(tokens) == 1 for _, tokens in work)
-        assert results[0].graph == STEP_EAGER  # how each step ran, as the router counts it
-        assert results[1].graph == (STEP_SHORT_PREFILL_GRAPHS if parts else STEP_DECODE_GRAPH if decode else STEP_EAGER)
+        assert (results[0].graph, results[1].graph) == (EAGER, ran)  # how each step ran, as the router counts it
         want, got = results[0].sampled, results[1].sampled
         assert [s.token_id for s in got] == [s.token_id for s in want]
         for a, b in zip(got, want):
@@ -95,9 +103,11 @@ def test_a_chunk_with_fed_in_tokens_or_no_graphs_stays_eager():
 def _cuda_runner(model, dtype: str, graphs: bool):
     layout = TableLayout(slots=SLOTS, max_pages=80)
     table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-    runner = _runner(model, table, True, max_tokens=256, device="cuda", dtype=dtype, graphs=graphs)
+    runner = _runner(model, table, True, max_tokens=256, pages=64, device="cuda", dtype=dtype, graphs=graphs)
     runner.capture_graphs()
-    return runner, Driver(table)
+    driver = Driver(table)
+    driver.free = list(range(64))[::-1]
+    return runner, driver
 
 
 @pytest.mark.gpu
@@ -105,7 +115,8 @@ def _cuda_runner(model, dtype: str, graphs: bool):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_replays_equal_the_eager_steps(dtype, monkeypatch):
     """On the GPU: captured short-prefill graphs (fla-core's chunk kernels inside for bf16, the
-    recurrent kernel for fp32) give the eager forward's tokens and log-probabilities."""
+    recurrent kernel for fp32), alone and beside decode rows' graph, give the eager forward's tokens
+    and log-probabilities."""
     from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
     from tests.e2e.test_cuda_launch import HYBRID
     from tests.models.test_qwen3_5 import perturb
@@ -121,20 +132,25 @@ def test_cuda_graph_replays_equal_the_eager_steps(dtype, monkeypatch):
                         or original(self, inputs, parts, *a))
     (fast, fast_driver), (eager, eager_driver) = _cuda_runner(model, dtype, True), _cuda_runner(model, dtype, False)
     assert eager.prefill_graphs is None
-    assert sorted(fast.prefill_graphs.graphs) == buckets() and all(fast.prefill_graphs.graphs.values())
+    largest = fast.prefill_graphs.largest  # below 512: the context a row of 80 pages of 4 tokens reaches
+    assert sorted(fast.prefill_graphs.graphs) == buckets(largest) and all(fast.prefill_graphs.graphs.values())
     plans = [([(0, [(11 * i) % 1500 + 3 for i in range(120)])], [0]), ([(0, [7])], []),
-             ([(0, [(5 * i) % 1500 + 3 for i in range(13)])], []), ([(0, [9, 10])], [])]
+             ([(0, [(5 * i) % 1500 + 3 for i in range(13)])], []), ([(0, [9, 10])], []),
+             ([(0, [7]), (2, [(3 * i) % 1500 + 3 for i in range(9)])], [2]),  # mixed steps
+             ([(2, [4]), (4, [(7 * i) % 1500 + 3 for i in range(20)]), (0, [5])], [4])]
+    ran = [STEP_SHORT_PREFILL_GRAPHS, STEP_DECODE_GRAPH] + [STEP_SHORT_PREFILL_GRAPHS] * 2 + [STEP_MIXED_GRAPHS] * 2
     tol = 1e-3 if dtype == "float32" else 0.05
-    for work, new in plans:
+    for (work, new), how in zip(plans, ran, strict=True):
         got, want = (runner.execute(d.plan(work, new)) for runner, d in ((fast, fast_driver), (eager, eager_driver)))
         assert got.error is None and want.error is None, (got.error, want.error)
+        assert (got.graph, want.graph) == (how, STEP_EAGER)
         for a, b in zip(got.sampled, want.sampled, strict=True):
             if a.token_id == b.token_id:
                 assert abs(a.logprob - b.logprob) < tol
             else:  # bf16 rounding of another split may pick another near-tie, never a clearly worse token
                 near = {t.token_id: t.logprob for t in b.top_logprobs}
                 assert dtype != "float32" and a.token_id in near and b.logprob - near[a.token_id] < tol
-    assert replays == [[64, 32, 16, 8], [8, 4, 1], [2]]  # 136 tokens: 34 of the 40 pages
+    assert replays == [[64, 32, 16, 8], [8, 4, 1], [2], [8, 1], [16, 4]]
 
 
 def _pair(model, pages: int, max_pages: int, largest: int | None = None):

@@ -37,6 +37,6 @@ def test_coverage_without_tiers_is_the_device_alone():
 
 
 def test_graph_steps_by_kind():
-    text = render(engine_values(graph_steps_decode=7, graph_steps_short_prefill=2), None)
-    for kind, n in (("decode", 7), ("short_prefill", 2), ("verify", 0)):
+    text = render(engine_values(graph_steps_decode=7, graph_steps_short_prefill=2, graph_steps_mixed=3), None)
+    for kind, n in (("decode", 7), ("short_prefill", 2), ("verify", 0), ("mixed", 3)):
         assert f'hkv_engine_graph_steps_total{{kind="{kind}"}} {float(n)}' in text

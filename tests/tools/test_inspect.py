@@ -125,9 +125,10 @@ def test_steps_show_how_many_replayed_graphs_by_kind(instance, capsys):
             ShmRegion.create(instance, stats.REGION, stats.NBYTES, "router") as region:
         registry.add(stats.REGION, "router", stats.VERSION, {"fields": list(stats.FIELDS)})
         block = stats.RouterStats(region.payload)
-        block.add_many({"steps": 12, "graph_steps_decode": 9, "graph_steps_short_prefill": 2})
+        block.add_many({"steps": 12, "graph_steps_decode": 9, "graph_steps_short_prefill": 2, "graph_steps_mixed": 1})
         block.release_views()
         steps = inspect_instance(instance)["steps"]
-        assert steps["steps"] == 12 and steps["graph_steps"] == {"decode": 9, "short_prefill": 2, "verify": 0}
+        assert steps["steps"] == 12
+        assert steps["graph_steps"] == {"decode": 9, "short_prefill": 2, "verify": 0, "mixed": 1}
         assert main(["--name", instance]) == 0
-        assert "graph_steps decode=9 short_prefill=2 verify=0" in capsys.readouterr().out
+        assert "graph_steps decode=9 short_prefill=2 verify=0 mixed=1" in capsys.readouterr().out
