@@ -2,7 +2,7 @@
 # One device call for the served numbers of issues 11, 12 and 13 (and the built-in model's training, issue 18) on the benchmark model
 # (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
 #   run: bash tools/gpu_bench.sh [parts: train,spec(-test,-bench,-tiny),launch,launch-only,i11,prefix,i12,i13,pd-test,
-#        pd-bench,pd2 (two GPUs),decode,sweep;
+#        pd-bench,pd2 (two GPUs),decode,sweep,ab (this tree against BASE_TREE: `git archive` of an earlier commit);
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
@@ -27,10 +27,12 @@ wants() { [[ ,$parts, == *,$1,* ]]; }
 wants spec && parts="$parts,spec-test,spec-bench,spec-tiny"  # spec: all three speculative parts
 say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
-start() {  # start NAME [flags...]: a server on $PORT, waits for /ready
+start() {  # start NAME [flags...]: a server on $PORT, waits for /ready; ROOT=dir serves that tree's hkv
   local name=$1; shift
-  python3 -c 'from hkv.launcher import main; main()' --model "$MODEL" --device "$DEVICE" --port "$PORT" --name "$name" \
-    "$@" >"/tmp/$name.out" 2>"/tmp/$name.err" &
+  # python -c puts the working directory first on sys.path: start it in the tree it serves
+  (cd "${ROOT:-.}" && exec env PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+    'from hkv.launcher import main; main()' --model "$MODEL" --device "$DEVICE" --port "$PORT" --name "$name" \
+    "$@" >"/tmp/$name.out" 2>"/tmp/$name.err") &
   SERVER_PID=$!
   for _ in $(seq 1 "${START_WAIT:-600}"); do  # half-seconds: a cold GPU compiles and autotunes at start-up
     curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && { grep -h "KV pool\|CUDA graphs\|serving" \
@@ -81,7 +83,7 @@ if wants launch || wants launch-only; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
 fi
-{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench || wants pd2; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
+{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench || wants pd2 || wants ab; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
 if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
@@ -204,6 +206,28 @@ if wants pd2; then  # issue 17 (nvidia-h200-x2): prefill on GPU 0, decode on GPU
   say "PD across two GPUs: tools/bench_pd2.py on the benchmark model"
   timeout 580 python3 -m tools.bench_pd2 --model "$MODEL" --rounds "${PD_ROUNDS:-3}" --concurrency 32 \
     --json "$OUT/pd2.json" 2>&1 | grep -v Warning | tail -14 | tee -a "$LOG"
+fi
+if wants ab; then  # served A/B: this tree's server, then BASE_TREE's, same flags and workloads, one after the other
+  [[ -d ${BASE_TREE:-} ]] || say "ab needs BASE_TREE: mkdir -p .out/base && git archive BASE hkv hkv_kernels | tar -x -C .out/base"
+  for tree in new base; do
+    [[ $tree == base && ! -d ${BASE_TREE:-} ]] && continue
+    root=.; [[ $tree == base ]] && root=$BASE_TREE
+    say "server $tree ($root)"
+    ROOT=$root start "s_ab_$tree" --max-running-requests 64 "${MEM[@]}" && {
+      for c in 32 64; do
+        bench "ab_${tree}_c$c" --workload random --input-len "$IN" --range-ratio 1 --output-len "$GEN" \
+          --num-prompts $((2 * c)) --concurrency $c --warmup 2
+      done
+      bench "ab_${tree}_prefix1" --workload shared-prefix --groups 1 --prompts-per-group 32 --system-len 2048 \
+        --question-len 128 --output-len 32 --concurrency 32 --warmup 0
+      bench "ab_${tree}_steady" --workload shared-prefix --groups 16 --prompts-per-group 16 --system-len 2048 \
+        --question-len 128 --output-len "$((GEN * 2))" --concurrency 32 --warmup 2
+      curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_graph_steps_total|^hkv_engine_steps_total" \
+        | tee -a "$LOG"
+      stop
+    }
+  done
+  merge ab
 fi
 if wants decode; then
   say "in-process decode step"
