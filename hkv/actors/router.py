@@ -219,8 +219,9 @@ class Router:
             self.note_state()
             await self.send_tier()
             now = time.perf_counter()
-            await self.publish(deltas)
+            # counted before it is published: a client that has its answer reads /metrics that include it
             self.record_step(plan, result, now - last_result)
+            await self.publish(deltas)
             last_result = now
 
     async def drain_inbox(self, block: bool) -> None:

@@ -57,7 +57,8 @@ def test_sigterm_drains_a_streaming_request(tmp_path):
     outcome = {}
 
     def stream():
-        body = {"prompt": "drain me", "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True}
+        # long enough to be still streaming when the late request comes (300 tokens ended within 0.5 s once)
+        body = {"prompt": "drain me", "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True}
         chunks, finish = 0, None
         with _post(f"{server.url}/v1/completions", body, timeout=120) as resp:
             for raw in resp:
