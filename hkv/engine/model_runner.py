@@ -9,8 +9,9 @@ StepArena), page ids are mirrored incrementally (DevicePageTable), and decode
 steps replay CUDA graphs (hkv/engine/cuda_graphs.py), so do steps of one short
 prefill chunk (hkv/engine/prefill_graphs.py) and mixed steps of decode rows and
 one short prefill chunk (the decode graph of the rows, then the chunk's parts);
-other prefill and mixed steps run eagerly over the same kind of batch. On CPU the batch is built as plain
-tensors and the forward runs the pure-torch references.
+other prefill and mixed steps run eagerly over the same kind of batch. On CPU
+the batch is built as plain tensors and the forward runs the pure-torch
+references.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from hkv.cache.types import (
 )  # fmt: skip
 from hkv.engine.cuda_graphs import DecodeGraphs
 from hkv.engine.pair_transfers import PairTransferError
-from hkv.engine.prefill_graphs import PrefillGraphs, parts_of
+from hkv.engine.prefill_graphs import PrefillGraphs
 from hkv.engine.sampler import PendingSample, SampleRow, sample_async
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import (
@@ -413,29 +414,28 @@ class ModelRunner:
         self.feed(batch.input_ids, views["follow_idx"], views["follow_rows"])
         return self.model(batch, self.kv, self.state), views["sample_rows"], STEP_EAGER
 
-    def _mixed_parts(self, chunks: list[Chunk]) -> tuple[int, list[int]] | None:
-        """(index, parts) of the one short prefill chunk of a mixed step the graphs can run, or None:
-        every other chunk a decode row (one token, sampled) and their count within a decode bucket, the
-        prefill chunk 2 .. 2 * largest - 1 tokens without in-chunk checkpoints or a fed-in token."""
-        if self.graphs is None or self.prefill_graphs is None or not self.prefill_graphs.graphs or len(chunks) < 2:
+    def _mixed_parts(self, chunks: list[Chunk]) -> tuple[int, StepInputs, list[int]] | None:
+        """(index, its inputs, parts) of the one prefill chunk of a mixed step the graphs can run, or None:
+        every other chunk a decode row (one token, sampled), their count within a decode bucket, and the
+        chunk one that PrefillGraphs.parts would replay alone."""
+        if self.graphs is None or self.prefill_graphs is None or len(chunks) < 2:
             return None
         prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) != 1 or not c.sample]
         if len(prefill) != 1 or self.graphs.bucket(len(chunks) - 1) is None:
             return None
-        chunk = chunks[prefill[0]]
-        if chunk.checkpoints or chunk.follows or chunk.drafts:
-            return None
-        parts = parts_of(len(chunk.token_ids), self.prefill_graphs.largest)
-        return (prefill[0], parts) if parts else None
+        p = prefill[0]
+        chunk = StepInputs.of([chunks[p]], self.table, self.page_size,
+                              self.state_slots if self.state is not None else None)
+        parts = self.prefill_graphs.parts(chunk)
+        return (p, chunk, parts) if parts else None
 
-    def _replay_mixed(self, chunks: list[Chunk], p: int, parts: list[int], idx: np.ndarray, vals: np.ndarray
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay_mixed(self, chunks: list[Chunk], p: int, chunk: StepInputs, parts: list[int], idx: np.ndarray,
+                      vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode rows from their bucket's graph, then chunk p from its parts' graphs: two forwards
         over disjoint sequences (each reads the weights once), far below an eager step's host time.
         Logits and sampling rows come back in plan order."""
-        state_of = self.state_slots if self.state is not None else None
-        rows = StepInputs.of(chunks[:p] + chunks[p + 1 :], self.table, self.page_size, state_of)
-        chunk = StepInputs.of([chunks[p]], self.table, self.page_size, state_of)
+        rows = StepInputs.of(chunks[:p] + chunks[p + 1 :], self.table, self.page_size,
+                             self.state_slots if self.state is not None else None)
         its = idx // self.pages.max_pages == chunks[p].slot  # the page-table pairs of chunk p's row
         logits, sample_rows = self.graphs.replay(rows, idx[~its], vals[~its], self.feed)
         chunk_logits, chunk_rows = self.prefill_graphs.replay(chunk, parts, idx[its], vals[its])
