@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=50, help="timed steps per point (default: 50)")
     parser.add_argument("--profile", action="store_true", help="also profile one step per batch size")
     parser.add_argument("--mixed", action="store_true",
-                        help="also time eager steps: decodes plus one 128-token prompt, and B prompts of 128 "
-                             "tokens after a cached prefix")
+                        help="also time prefill steps: decodes plus one 128-token prompt, and B prompts of 128 "
+                             "tokens after a cached prefix (as the cost model picks, then eager)")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -225,16 +225,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'graphs' if graphs else 'eager '} B{b:<4} step {ms:7.3f} ms  roofline {roof:6.3f} ms  "
                       f"{100 * roof / ms:5.1f}%{extra}", flush=True)
                 if args.mixed and graphs:
-                    for kind in ("mixed", "questions"):
+                    short = rig.runner.prefill_graphs
+                    measured = short.budget_s
+                    # B prompts after a cached prefix: as the cost model picks (graph parts below its
+                    # eager floor), then forced eager, in the same run
+                    for kind, budget in (("mixed", measured), ("questions", measured), ("questions", 0.0)):
+                        short.budget_s = budget
                         ms = rig.time_steps(b, max(5, args.iters // 5), kind)
-                        row = {"graphs": graphs, "batch": b, "kind": kind, "step_ms": ms}
+                        how = "eager" if budget <= 0 else "as picked"
+                        row = {"graphs": graphs, "batch": b, "kind": kind, "step_ms": ms, "how": how,
+                               "eager_floor_ms": measured * 1e3}
                         if args.profile:
                             row["profile"] = profile_step(rig, b, kind)
                         out["rows"].append(row)
                         prof = row.get("profile")
                         extra = (f"; {prof['kernels']} kernels, GPU busy {prof['gpu_busy_ms']:.2f} of "
                                  f"{prof['wall_ms']:.2f} ms") if prof else ""
-                        print(f"{kind:9} B{b:<4} step {ms:7.3f} ms{extra}", flush=True)
+                        print(f"{kind:9} B{b:<4} {how:9} step {ms:7.3f} ms (eager floor {measured * 1e3:.1f} ms)"
+                              f"{extra}", flush=True)
+                    short.budget_s = measured
             del rig
             torch.cuda.empty_cache()
     if args.json:

@@ -78,7 +78,7 @@ fi
 if wants launch || wants launch-only; then
   tests=(tests/e2e/test_cuda_launch.py)
   wants launch && tests+=(tests/kernels/test_chunk_checkpoints.py tests/kernels/test_gdn.py tests/kernels/test_dispatch.py
-                         tests/engine/test_prefill_graphs.py)
+                         tests/engine/test_prefill_graphs.py tests/engine/test_prefill_graph_steps.py)
   say "CUDA launch test (graphs, planning ahead, fp32 parity and bf16 logprobs against transformers); fla's in-chunk states; short-prefill graphs against eager steps"
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
@@ -224,9 +224,19 @@ if wants ab; then  # served A/B: this tree's server, then BASE_TREE's, same flag
         --question-len 128 --output-len "$((GEN * 2))" --concurrency 32 --warmup 2
       curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_graph_steps_total|^hkv_engine_steps_total" \
         | tee -a "$LOG"
+      grep -h "prefill graphs:" "/tmp/s_ab_$tree.err" | cut -c25- | tee -a "$LOG"
       stop
     }
   done
+  say "server new, --no-prefix-cache (the shared-prefix ratio's baseline, same run)"
+  start s_ab_nocache --max-running-requests 64 --no-prefix-cache "${MEM[@]}" && {
+    bench ab_nocache_prefix1 --workload shared-prefix --groups 1 --prompts-per-group 32 --system-len 2048 \
+      --question-len 128 --output-len 32 --concurrency 32 --warmup 0
+    bench ab_nocache_steady --workload shared-prefix --groups 16 --prompts-per-group 16 --system-len 2048 \
+      --question-len 128 --output-len "$((GEN * 2))" --concurrency 32 --warmup 2
+    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_graph_steps_total" | tee -a "$LOG"
+    stop
+  }
   merge ab
 fi
 if wants decode; then

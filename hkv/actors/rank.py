@@ -93,8 +93,9 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
                  len(runner.graphs.graphs), runner.graphs.max_bs, seconds)
     if runner.prefill_graphs is not None:
         short = runner.prefill_graphs
-        log.info("CUDA graphs: %d prefill buckets, one sequence of 1 to %d tokens (chunks up to %d replay them)",
-                 len(short.graphs), short.largest, 2 * short.largest - 1)
+        log.info("CUDA graphs: %d prefill buckets, one sequence of 1 to %d tokens (a chunk up to %d tokens replays "
+                 "them; steps of several or longer chunks do while the replays' device time stays below %.1f ms)",
+                 len(short.graphs), short.largest, 2 * short.largest - 1, short.budget_s * 1e3)
     verify_graphs = runner.spec.graphs if runner.spec is not None else None
     if verify_graphs is not None:
         log.info("CUDA graphs: %d verify buckets up to batch %d (%d tokens a row%s) in %.1f s",

@@ -9,7 +9,8 @@ StepArena), page ids are mirrored incrementally (DevicePageTable), and decode
 steps replay CUDA graphs (hkv/engine/cuda_graphs.py), so do steps of one short
 prefill chunk (hkv/engine/prefill_graphs.py) and mixed steps of decode rows and
 one short prefill chunk (the decode graph of the rows, then the chunk's parts);
-other prefill and mixed steps run eagerly over the same kind of batch. On CPU
+steps of several prefill chunks, beside decode rows or not, replay the chunks' parts when the graphs'
+measured cost model says that beats the eager step; other steps run eagerly over the same kind of batch. On CPU
 the batch is built as plain tensors and the forward runs the pure-torch
 references.
 """
@@ -128,7 +129,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv, self.state, self.pages, min(graph_max_bs, seqs),
                                        self.attn_dims, scratch[1], self.page_size)
             self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.state, self.pages, self.attn_dims,
-                                                scratch[1], self.page_size)
+                                                scratch[1], self.page_size, stage_tokens=max_tokens)
 
     def capture_graphs(self) -> float:
         """Capture the decode graphs, the short-prefill graphs and, when speculating, the verify graphs
@@ -392,8 +393,9 @@ class ModelRunner:
         """The plan's forward: logits [S, vocab] of its sampling chunks, their request-table rows [S]
         on the device, and how it ran (StepResult.graph): a graph replay for decode steps that fit a
         captured bucket, graph replays of its parts for one short prefill chunk, both for decode rows
-        beside one short prefill chunk, an eager forward otherwise. Fed-in tokens (Chunk.follows) come
-        from `last_tokens`."""
+        beside one short prefill chunk, the same for several or long chunks where the cost model of
+        PrefillGraphs.plan_chunks prefers it, an eager forward otherwise. Fed-in tokens (Chunk.follows)
+        come from `last_tokens`."""
         inputs = StepInputs.of(plan.chunks, self.table, self.page_size,
                                self.state_slots if self.state is not None else None)
         if self.pages is None:
@@ -410,6 +412,9 @@ class ModelRunner:
         mixed = self._mixed_parts(plan.chunks)
         if mixed is not None:
             return *self._replay_mixed(plan.chunks, *mixed, idx, vals), STEP_MIXED_GRAPHS
+        several = self._several_parts(plan.chunks)
+        if several is not None:
+            return self._replay_several(plan.chunks, *several, idx, vals)
         batch, views = self.cuda_batch(inputs, idx, vals)
         self.feed(batch.input_ids, views["follow_idx"], views["follow_rows"])
         return self.model(batch, self.kv, self.state), views["sample_rows"], STEP_EAGER
@@ -444,6 +449,50 @@ class ModelRunner:
         # every chunk before p samples (decode rows): p is its place among the sampled rows
         return (torch.cat((logits[:p], chunk_logits, logits[p:])),
                 torch.cat((sample_rows[:p], chunk_rows, sample_rows[p:])))
+
+    def _several_parts(self, chunks: list[Chunk]) -> tuple[list[int], list[StepInputs], list] | None:
+        """(indexes, one-chunk inputs, PrefillGraphs.plan_chunks' plans) of the prefill chunks of a step that
+        replays them part by part (any number and length, checkpoints included, decode rows beside them
+        from their graph), or None: eager, when the graphs' cost model says so or the rows fit no bucket."""
+        graphs = self.prefill_graphs
+        if graphs is None or graphs.budget_s <= 0:
+            return None
+        prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) != 1 or not c.sample]
+        rows = len(chunks) - len(prefill)
+        if not prefill or rows and (self.graphs is None or self.graphs.bucket(rows) is None):
+            return None
+        state_of = self.state_slots if self.state is not None else None
+        inputs = [StepInputs.of([chunks[i]], self.table, self.page_size, state_of) for i in prefill]
+        plans = graphs.plan_chunks(inputs)
+        return (prefill, inputs, plans) if plans else None
+
+    def _replay_several(self, chunks: list[Chunk], prefill: list[int], inputs: list[StepInputs], plans: list,
+                        idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The decode rows (if any) from their bucket's graph, then every prefill chunk from its parts'
+        graphs; logits and sampling rows in plan order, and how the step ran."""
+        if len(prefill) == len(chunks):
+            return *self.prefill_graphs.replay_chunks(inputs, plans, idx, vals), STEP_SHORT_PREFILL_GRAPHS
+        chosen = set(prefill)
+        decode = [c for i, c in enumerate(chunks) if i not in chosen]
+        rows = StepInputs.of(decode, self.table, self.page_size, self.state_slots if self.state is not None else None)
+        its = np.isin(idx // self.pages.max_pages, [chunks[i].slot for i in prefill])  # the prefill rows' pairs
+        row_logits, row_rows = self.graphs.replay(rows, idx[~its], vals[~its], self.feed)
+        chunk_logits, chunk_rows = self.prefill_graphs.replay_chunks(inputs, plans, idx[its], vals[its])
+        # back in plan order: runs of sampled chunks from one side or the other
+        pieces, at = [], [0, 0]  # (source, start, stop) runs; at: the next row of each side
+        for i, c in enumerate(chunks):
+            if not c.sample:
+                continue
+            side = 1 if i in chosen else 0
+            if pieces and pieces[-1][0] == side:
+                pieces[-1][2] += 1
+            else:
+                pieces.append([side, at[side], at[side] + 1])
+            at[side] += 1
+        sources = ((row_logits, row_rows), (chunk_logits, chunk_rows))
+        logits = torch.cat([sources[side][0][a:b] for side, a, b in pieces])
+        sample_rows = torch.cat([sources[side][1][a:b] for side, a, b in pieces])
+        return logits, sample_rows, STEP_MIXED_GRAPHS
 
     def feed(self, input_ids: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
         """input_ids[idx[i]] = the token row rows[i] sampled last (a device gather, no wait)."""

@@ -23,15 +23,28 @@ of k parts costs k such forwards: still far below the host time of one eager for
 
 Why: an eager step costs host time per launch (an eager forward of the benchmark model issues
 about 600 kernels; docs/benchmarks.md), so a 64-token step after a long hit was host-bound: on an
-H200 the CPU-tier hit of issue 13 went from 50 ms to 21 ms of TTFT with these graphs. Steps with
-in-chunk checkpoints, fed-in tokens or two prefill chunks stay eager. Off CUDA (tests) the same arena
-and parts run eagerly, as DecodeGraphs does.
+H200 the CPU-tier hit of issue 13 went from 50 ms to 21 ms of TTFT with these graphs.
+
+Steps of several chunks (a wave of prompts after a shared-prefix hit, prompts beside decode rows),
+chunks of any length and chunks with in-chunk checkpoints replay parts too when that is cheaper than
+the eager step (`plan_chunks`): each chunk is cut at its checkpoints, each piece into parts (as many
+largest buckets as fit, then the binary digits of the rest), and the live state is copied to the
+checkpoint's slot between the parts, which is what the in-chunk checkpoint would hold. A bucket used
+twice in a step gets its second part's fields from a staging field of the same arena, copied device
+to device before that replay. Cheaper is measured, not guessed: at capture each bucket's replay is
+timed on the device and an eager forward of two tokens on the host (its time is launch-bound: the
+floor of any eager step's wall time); a step replays parts when their summed device time is below
+that floor, so on a host that launches fast the batched eager step keeps its larger steps. Steps with
+fed-in tokens stay eager. Off CUDA (tests) the same arena and parts run eagerly, as DecodeGraphs
+does, and several chunks replay parts only when a test sets `budget_s`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,6 +58,38 @@ PREFILL_GRAPH_TOKENS = 512  # the largest bucket; buckets are the powers of two 
 _FIXED = ("q_start", "q_len", "cu_seqlens", "logits_indices", "attn_block_seq", "attn_block_tok",
           "conv_block_seq", "conv_block_tok", "fla_chunk_indices", "fla_chunk_offsets")
 _VARYING = ("input_ids", "positions", "slot_mapping", "kv_len", "table_rows", "state_slots")
+
+
+MULTI_MAX_CHUNKS = 64  # chunks of one step that replay parts (more: eager)
+MULTI_STAGE_TOKENS = 4096  # tokens of one step's repeated buckets that can be staged (the runner's: its step budget)
+
+
+@dataclass(frozen=True)
+class ChunkParts:
+    """How one chunk of a step of several replays: its buckets in order, and the state slot that
+    receives the live state after part i (an in-chunk checkpoint ends there)."""
+
+    parts: list[int]
+    saves: dict[int, int] = field(default_factory=dict)
+
+
+def long_parts(n: int, largest: int = PREFILL_GRAPH_TOKENS) -> list[int]:
+    """Parts of a piece of n >= 1 tokens: as many `largest` buckets as fit, then the rest's binary digits."""
+    rest = n % largest
+    return [largest] * (n // largest) + [1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1]
+
+
+def split_chunk(n: int, checkpoints: list[tuple[int, int]], largest: int = PREFILL_GRAPH_TOKENS) -> ChunkParts:
+    """A chunk of n tokens with in-chunk checkpoints (tokens, state slot), each strictly inside it, as
+    the parts of its pieces between them; the checkpoint after `tokens` is saved after that piece."""
+    parts: list[int] = []
+    saves: dict[int, int] = {}
+    done = 0
+    for tokens, slot in sorted(checkpoints):
+        parts += long_parts(tokens - done, largest)
+        saves[len(parts) - 1] = slot
+        done = tokens
+    return ChunkParts(parts + long_parts(n - done, largest), saves)
 
 
 def buckets(largest: int = PREFILL_GRAPH_TOKENS) -> list[int]:
@@ -64,7 +109,8 @@ class PrefillGraphs:
     """Captured one-sequence forwards by token count, their static batches and the arena."""
 
     def __init__(self, model, kv, state, pages: DevicePageTable, attn_dims: tuple[int, int],
-                 scratch_slot: int | None, page_size: int, largest: int = PREFILL_GRAPH_TOKENS):
+                 scratch_slot: int | None, page_size: int, largest: int = PREFILL_GRAPH_TOKENS,
+                 max_chunks: int = MULTI_MAX_CHUNKS, stage_tokens: int = MULTI_STAGE_TOKENS):
         self.model, self.kv, self.state, self.pages = model, kv, state, pages
         self.page_size: int = page_size
         self.scratch_slot: int | None = scratch_slot
@@ -82,15 +128,31 @@ class PrefillGraphs:
         self.sizes: list[int] = buckets(largest)
         self.fixed: dict[int, dict[str, np.ndarray]] = {t: self._fixed_arrays(t) for t in self.sizes}
         fields: dict[str, int] = {}
-        for t in self.sizes:
+        for t in self.sizes:  # a bucket's varying fields last and together: one block a staged part copies
             fields.update({f"{t}.{name}": len(a) for name, a in self.fixed[t].items()})
             fields.update({f"{t}.{name}": t if name in ("input_ids", "positions", "slot_mapping") else 1
                            for name in _VARYING})
         # a chunk of up to 2 * largest tokens adds at most that many pages / page_size + 1 (more after a
-        # long hit: those go up in their own copy, DevicePageTable.upload)
+        # long hit, or in a step of several chunks: those go up in their own copy, DevicePageTable.upload)
         self.table_room: int = 2 * largest // page_size + 2
-        fields.update(sample_rows=1, table_idx=self.table_room, table_val=self.table_room)
+        self.max_chunks: int = max(1, max_chunks)
+        # staged parts: a block per part, each at most 3 t + 3 fields rounded up to the alignment
+        self.stage_room: int = 3 * stage_tokens + 12 * self.max_chunks * len(self.sizes)
+        fields.update(sample_rows=self.max_chunks, table_idx=self.table_room, table_val=self.table_room,
+                      stage=self.stage_room)
         self.layout: dict[str, tuple[int, int]] = StepArena.layout_of(fields)
+        # bucket -> (offset, length) of its varying block in the arena, and each field's place in it
+        self.blocks: dict[int, tuple[int, int]] = {}
+        self.block_fields: dict[int, dict[str, tuple[int, int]]] = {}
+        for t in self.sizes:
+            first, last = self.layout[f"{t}.{_VARYING[0]}"], self.layout[f"{t}.{_VARYING[-1]}"]
+            self.blocks[t] = (first[0], last[0] + last[1] - first[0])
+            self.block_fields[t] = {f"{t}.{name}": (self.layout[f"{t}.{name}"][0] - first[0],
+                                                    self.layout[f"{t}.{name}"][1]) for name in _VARYING}
+        # the cost model of steps of several chunks (capture_all measures both on CUDA): a replay's
+        # device seconds by bucket, and the host seconds an eager step takes at least
+        self.costs: dict[int, float] = {}
+        self.budget_s: float = 0.0
         end = max(off + n for off, n in self.layout.values())
         self.arena: StepArena = StepArena(end, kv.k.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
@@ -140,7 +202,37 @@ class PrefillGraphs:
         for i, t in enumerate(sorted(self.sizes, reverse=True), 1):
             self._capture(t)
             log.info("captured CUDA graph %d/%d (prefill of %d token%s)", i, len(self.sizes), t, "s" * (t > 1))
+        if self.arena.device.type == "cuda":
+            self.measure()
         return time.perf_counter() - started
+
+    def measure(self, repeats: int = 3) -> None:
+        """The cost model of steps of several chunks: each bucket's replay on the device (CUDA events,
+        the best of `repeats`) and the host time of an eager forward of the 2-token bucket's batch
+        (synchronized, the best of `repeats`: launches, not the GPU, set it). Replays write only the
+        scratch page and slot."""
+        with torch.inference_mode():
+            for t in self.sizes:
+                best = math.inf
+                for _ in range(repeats):
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    self.graphs[t].replay()
+                    end.record()
+                    end.synchronize()
+                    best = min(best, begin.elapsed_time(end) / 1e3)
+                self.costs[t] = best
+            floor = math.inf
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                begin_s = time.perf_counter()
+                self.model(self.batches[min(2, self.largest)], self.kv, self.state)
+                torch.cuda.synchronize()
+                floor = min(floor, time.perf_counter() - begin_s)
+        self.budget_s = floor
+        log.info("prefill graphs: a replay takes %.2f ms (1 token) to %.2f ms (%d tokens) on the device, an eager "
+                 "prefill step at least %.1f ms on the host: steps of several chunks replay parts below that",
+                 self.costs[1] * 1e3, self.costs[self.largest] * 1e3, self.largest, floor * 1e3)
 
     def _capture(self, t: int) -> None:
         batch = self.batches[t]
@@ -163,6 +255,78 @@ class PrefillGraphs:
         if len(inputs.q_lens) != 1 or inputs.checkpoints or len(inputs.follow_idx) or not self.graphs:
             return None
         return parts_of(int(inputs.q_lens[0]), self.largest)
+
+    def plan_chunks(self, chunks: list[StepInputs]) -> list[ChunkParts] | None:
+        """How a step of these one-chunk inputs (prefill chunks of any length, from `StepInputs.of([chunk])`)
+        replays, or None when it runs eagerly: a fed-in token, more than `max_chunks` chunks, repeated
+        buckets beyond the staging field, or replays whose measured device time exceeds `budget_s`."""
+        if not self.graphs or not chunks or len(chunks) > self.max_chunks:
+            return None
+        plans = []
+        for c in chunks:
+            marks = sorted((tokens, slot) for _, tokens, slot in c.checkpoints)
+            if len(c.follow_idx) or len(c.q_lens) != 1 or len({m[0] for m in marks}) != len(marks):
+                return None
+            plans.append(split_chunk(int(c.q_lens[0]), marks, self.largest))
+        seen: set[int] = set()
+        staged = cost = 0
+        for t in (t for p in plans for t in p.parts):
+            cost += self.costs.get(t, math.inf)
+            if t in seen:
+                staged += self.blocks[t][1]
+            seen.add(t)
+        return plans if staged <= self.stage_room and cost <= self.budget_s else None
+
+    def replay_chunks(self, chunks: list[StepInputs], plans: list[ChunkParts], idx: np.ndarray, vals: np.ndarray
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the chunks as `plans` (from `plan_chunks`), one after the other; returns the logits [S, vocab]
+        of those that sample, in order, and their sampling rows [S] on the device."""
+        sampling = [c for c in chunks if len(c.logits_indices)]
+        arrays: dict[str, np.ndarray] = {"sample_rows": np.array([int(c.sample_rows[0]) for c in sampling])}
+        staged: list[np.ndarray] = []
+        stage_at = 0
+        runs = []  # per part: (bucket, staging offset or None, checkpoint slot or None, state slot, logits row)
+        out_row = 0
+        for c, plan in zip(chunks, plans):
+            n, row = int(c.q_lens[0]), int(c.rows[0])
+            start = int(c.kv_lens[0]) - n
+            state_slot = int(c.state_slots[0]) if c.state_slots is not None else 0
+            done = 0
+            for i, t in enumerate(plan.parts):
+                part = slice(done, done + t)
+                done += t
+                fields = self._varying(t, c.input_ids[part], c.positions[part], c.slot_mapping[part], start + done,
+                                       row, state_slot)
+                if f"{t}.input_ids" in arrays:  # the bucket's own fields are taken: stage this part's
+                    block = np.zeros(self.blocks[t][1], dtype=np.int64)
+                    for name, (off, _) in self.block_fields[t].items():
+                        block[off : off + len(fields[name])] = fields[name]
+                    staged.append(block)
+                    where, stage_at = stage_at, stage_at + len(block)
+                else:
+                    arrays.update(fields)
+                    where = None
+                last = i == len(plan.parts) - 1 and len(c.logits_indices)
+                runs.append((t, where, plan.saves.get(i), state_slot, out_row if last else None))
+            out_row += 1 if len(c.logits_indices) else 0
+        if staged:
+            arrays["stage"] = np.concatenate(staged)
+        views = self.pages.pack(self.arena, arrays, self.layout, idx, vals)
+        logits = torch.empty(len(sampling), self.logits.shape[1], dtype=self.logits.dtype, device=self.logits.device)
+        for t, where, save, state_slot, logits_row in runs:
+            if where is not None:
+                off, span = self.blocks[t]
+                self.arena.dev[off : off + span].copy_(views["stage"][where : where + span])
+            graph = self.graphs[t]
+            if graph is None:
+                self.logits.copy_(self.model(self.batches[t], self.kv, self.state))
+            else:
+                graph.replay()
+            if save is not None:  # an in-chunk checkpoint ends here: the live state is what it keeps
+                self.state.copy_slot(state_slot, save)
+            if logits_row is not None:
+                logits[logits_row].copy_(self.logits[0])
+        return logits, views["sample_rows"][: len(sampling)]
 
     def replay(self, inputs: StepInputs, parts: list[int], idx: np.ndarray, vals: np.ndarray
                ) -> tuple[torch.Tensor, torch.Tensor]:
