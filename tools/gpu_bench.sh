@@ -2,7 +2,8 @@
 # One device call for the served numbers of issues 11, 12 and 13 (and the built-in model's training, issue 18) on the benchmark model
 # (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
 #   run: bash tools/gpu_bench.sh [parts: train,spec(-test,-bench,-tiny),launch,launch-only,i11,prefix,i12,i13,pd-test,
-#        pd-bench,pd2 (two GPUs),decode,sweep,ab (this tree against BASE_TREE: `git archive` of an earlier commit);
+#        pd-bench,pd2 (two GPUs),decode,sweep,ab (this tree against BASE_TREE: `git archive` of an earlier commit),
+#        wave (the shared-prefix wave three times on both trees, request times logged);
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
@@ -83,7 +84,7 @@ if wants launch || wants launch-only; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
 fi
-{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench || wants pd2 || wants ab; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
+{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench || wants pd2 || wants ab || wants wave; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
 if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
@@ -238,6 +239,23 @@ if wants ab; then  # served A/B: this tree's server, then BASE_TREE's, same flag
     stop
   }
   merge ab
+fi
+if wants wave; then  # the shared-prefix wave (cold cache each run), repeated, on this tree and BASE_TREE's
+  for tree in new base; do
+    [[ $tree == base && ! -d ${BASE_TREE:-} ]] && continue
+    root=.; [[ $tree == base ]] && root=$BASE_TREE
+    say "server $tree ($root), --log-request-times"
+    ROOT=$root start "s_wave_$tree" --max-running-requests 64 "${MEM[@]}" --log-request-times && {
+      for r in 1 2 3; do
+        bench "wave_${tree}_$r" --workload shared-prefix --groups 1 --prompts-per-group 32 --system-len 2048 \
+          --question-len 128 --output-len 32 --concurrency 32 --warmup 0 | grep -E "TTFT|step /"
+        grep -h "router INFO request" "/tmp/s_wave_$tree.err" | tail -32 | cut -c25- | sed -n '1p;2p;32p' | tee -a "$LOG"
+      done
+      curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_graph_steps_total" | tee -a "$LOG"
+      stop
+    }
+  done
+  merge wave
 fi
 if wants decode; then
   say "in-process decode step"
