@@ -461,10 +461,11 @@ class ModelRunner:
         rows = len(chunks) - len(prefill)
         if not prefill or rows and (self.graphs is None or self.graphs.bucket(rows) is None):
             return None
+        plans = graphs.plan_chunks([chunks[i] for i in prefill])
+        if plans is None:
+            return None
         state_of = self.state_slots if self.state is not None else None
-        inputs = [StepInputs.of([chunks[i]], self.table, self.page_size, state_of) for i in prefill]
-        plans = graphs.plan_chunks(inputs)
-        return (prefill, inputs, plans) if plans else None
+        return prefill, [StepInputs.of([chunks[i]], self.table, self.page_size, state_of) for i in prefill], plans
 
     def _replay_several(self, chunks: list[Chunk], prefill: list[int], inputs: list[StepInputs], plans: list,
                         idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -51,7 +51,9 @@ import numpy as np
 import torch
 
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
+from hkv.ipc.messages import Chunk
 from hkv.models.batch import ForwardBatch
+from hkv_kernels.gdn import GDN_CHUNK
 from hkv_kernels.meta import StepArena, attention_tile, kernel_meta, meta_arrays
 
 log = logging.getLogger("hkv.rank")
@@ -260,19 +262,21 @@ class PrefillGraphs:
             return None
         return parts_of(int(inputs.q_lens[0]), self.largest)
 
-    def plan_chunks(self, chunks: list[StepInputs]) -> list[ChunkParts] | None:
-        """How a step of these one-chunk inputs (prefill chunks of any length, from `StepInputs.of([chunk])`)
-        replays, or None when it runs eagerly: a fed-in token, more than `max_chunks` chunks, repeated
-        buckets beyond the staging field, or replays whose measured device time (times PART_COST_MARGIN)
-        exceeds `budget_s`."""
+    def plan_chunks(self, chunks: list[Chunk]) -> list[ChunkParts] | None:
+        """How a step of these prefill chunks (any length) replays, or None when it runs eagerly: a fed-in
+        token, a checkpoint the eager path would refuse (it says why), more than `max_chunks` chunks,
+        repeated buckets beyond the staging field, or replays whose measured device time (times
+        PART_COST_MARGIN) exceeds `budget_s`. Decided from the plan alone, before any array is built."""
         if not self.graphs or not chunks or len(chunks) > self.max_chunks:
             return None
         plans = []
         for c in chunks:
-            marks = sorted((tokens, slot) for _, tokens, slot in c.checkpoints)
-            if len(c.follow_idx) or len(c.q_lens) != 1 or len({m[0] for m in marks}) != len(marks):
+            n = len(c.token_ids)
+            marks = sorted((int(tokens), int(slot)) for tokens, slot in c.checkpoints)
+            inside = all(0 < tokens < n and tokens % GDN_CHUNK == 0 for tokens, _ in marks)
+            if c.follows or not n or not inside or len({m[0] for m in marks}) != len(marks):
                 return None
-            plans.append(split_chunk(int(c.q_lens[0]), marks, self.largest))
+            plans.append(split_chunk(n, marks, self.largest))
         seen: set[int] = set()
         staged = cost = 0
         for t in (t for p in plans for t in p.parts):
@@ -284,8 +288,9 @@ class PrefillGraphs:
 
     def replay_chunks(self, chunks: list[StepInputs], plans: list[ChunkParts], idx: np.ndarray, vals: np.ndarray
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the chunks as `plans` (from `plan_chunks`), one after the other; returns the logits [S, vocab]
-        of those that sample, in order, and their sampling rows [S] on the device."""
+        """Run the chunks (`StepInputs.of([chunk])` each) as `plans` (from `plan_chunks`), one after the
+        other; returns the logits [S, vocab] of those that sample, in order, and their sampling rows [S]
+        on the device."""
         sampling = [c for c in chunks if len(c.logits_indices)]
         arrays: dict[str, np.ndarray] = {"sample_rows": np.array([int(c.sample_rows[0]) for c in sampling])}
         staged: list[np.ndarray] = []

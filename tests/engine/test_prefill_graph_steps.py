@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hkv.engine.prefill_graphs import ChunkParts, PrefillGraphs, long_parts, split_chunk
-from hkv.engine.step_inputs import StepInputs
 from hkv.ipc.messages import STEP_EAGER, STEP_MIXED_GRAPHS, STEP_SHORT_PREFILL_GRAPHS, Chunk
 from hkv.ipc.request_table import RequestTable, TableLayout
 from tests.engine.test_model_runner import PAGE, SLOTS, Driver, _model, _runner
@@ -140,23 +139,23 @@ def test_the_cost_model_and_its_limits_keep_steps_eager(monkeypatch):
     graphs = fast.prefill_graphs
     work = [(0, _prompt(20, 7)), (2, _prompt(13, 3))]
     graphs.budget_s = 7e-3  # the two chunks' five replays cost 5 ms, 6.75 with the margin: below
-    plan = pair[1][1].plan(work, [0, 2])  # pages for the inputs (a plan not run)
-    state_of = {0: 0, 2: 2}
-    inputs = [StepInputs.of([c], fast.table, PAGE, state_of) for c in plan.chunks]
-    assert [p.parts for p in graphs.plan_chunks(inputs)] == [[16, 4], [8, 4, 1]]
+    chunks = pair[1][1].plan(work, [0, 2]).chunks  # (a plan not run)
+    assert [p.parts for p in graphs.plan_chunks(chunks)] == [[16, 4], [8, 4, 1]]
     graphs.budget_s = 6e-3  # the margin puts them above the eager step's floor: eager
-    assert graphs.plan_chunks(inputs) is None
+    assert graphs.plan_chunks(chunks) is None
     graphs.budget_s = 1.0
     graphs.costs.pop(8)  # a bucket never measured is never chosen
-    assert graphs.plan_chunks(inputs) is None
+    assert graphs.plan_chunks(chunks) is None
     graphs.costs[8] = 1e-3
-    follows = StepInputs.of([Chunk(2, [3, 4], 0, True, follows=True)], fast.table, PAGE, state_of)
-    assert graphs.plan_chunks([inputs[0], follows]) is None  # a fed-in token: eager
-    assert graphs.plan_chunks(inputs * 33) is None  # more chunks than the sampling rows' field holds
+    assert graphs.plan_chunks([chunks[0], Chunk(2, [3, 4], 13, True, follows=True)]) is None  # a fed-in token
+    for bad in ([[5, 3]], [[20, 3]], [[0, 3]], [[64, 3], [64, 4]]):  # off the GDN chunk, not inside, twice
+        assert graphs.plan_chunks([Chunk(4, list(range(70)), 0, True, bad)]) is None
+    assert graphs.plan_chunks([Chunk(4, list(range(70)), 0, True, [[64, 3]])]) == [ChunkParts([64, 4, 2], {0: 3})]
+    assert graphs.plan_chunks(chunks * 33) is None  # more chunks than the sampling rows' field holds
     graphs.stage_room = graphs.blocks[4][1] - 1  # the repeated 4-token part does not fit the staging field
-    assert graphs.plan_chunks(inputs) is None
+    assert graphs.plan_chunks(chunks) is None
     graphs.stage_room = graphs.blocks[4][1]
-    assert graphs.plan_chunks(inputs) is not None
+    assert graphs.plan_chunks(chunks) is not None
     fresh = _pair(model)
     fresh[1][0].prefill_graphs.budget_s = 0.0  # nothing measured (CPU): eager
     results = [r.execute(d.plan(work, [0, 2])) for r, d in fresh]
