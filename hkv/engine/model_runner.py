@@ -29,7 +29,7 @@ from hkv.cache.types import (
 )  # fmt: skip
 from hkv.engine.cuda_graphs import DecodeGraphs
 from hkv.engine.pair_transfers import PairTransferError
-from hkv.engine.prefill_graphs import PrefillGraphs
+from hkv.engine.prefill_graphs import ChunkParts, PrefillGraphs
 from hkv.engine.sampler import PendingSample, SampleRow, sample_async
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import (
@@ -406,79 +406,55 @@ class ModelRunner:
         decode = bool((inputs.q_lens == 1).all()) and len(inputs.logits_indices) == len(inputs.q_lens)
         if self.graphs is not None and decode and self.graphs.bucket(len(inputs.q_lens)) is not None:
             return *self.graphs.replay(inputs, idx, vals, self.feed), STEP_DECODE_GRAPH
-        parts = self.prefill_graphs.parts(inputs) if self.prefill_graphs is not None else None
-        if parts:
-            return *self.prefill_graphs.replay(inputs, parts, idx, vals), STEP_SHORT_PREFILL_GRAPHS
-        mixed = self._mixed_parts(plan.chunks)
-        if mixed is not None:
-            return *self._replay_mixed(plan.chunks, *mixed, idx, vals), STEP_MIXED_GRAPHS
-        several = self._several_parts(plan.chunks)
-        if several is not None:
-            return self._replay_several(plan.chunks, *several, idx, vals)
+        chosen = self._graph_parts(plan.chunks, inputs)
+        if chosen is not None:
+            return self._replay_parts(plan.chunks, *chosen, idx, vals)
         batch, views = self.cuda_batch(inputs, idx, vals)
         self.feed(batch.input_ids, views["follow_idx"], views["follow_rows"])
         return self.model(batch, self.kv, self.state), views["sample_rows"], STEP_EAGER
 
-    def _mixed_parts(self, chunks: list[Chunk]) -> tuple[int, StepInputs, list[int]] | None:
-        """(index, its inputs, parts) of the one prefill chunk of a mixed step the graphs can run, or None:
-        every other chunk a decode row (one token, sampled), their count within a decode bucket, and the
-        chunk one that PrefillGraphs.parts would replay alone."""
-        if self.graphs is None or self.prefill_graphs is None or len(chunks) < 2:
-            return None
-        prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) != 1 or not c.sample]
-        if len(prefill) != 1 or self.graphs.bucket(len(chunks) - 1) is None:
-            return None
-        p = prefill[0]
-        chunk = StepInputs.of([chunks[p]], self.table, self.page_size,
-                              self.state_slots if self.state is not None else None)
-        parts = self.prefill_graphs.parts(chunk)
-        return (p, chunk, parts) if parts else None
-
-    def _replay_mixed(self, chunks: list[Chunk], p: int, chunk: StepInputs, parts: list[int], idx: np.ndarray,
-                      vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode rows from their bucket's graph, then chunk p from its parts' graphs: two forwards
-        over disjoint sequences (each reads the weights once), far below an eager step's host time.
-        Logits and sampling rows come back in plan order."""
-        rows = StepInputs.of(chunks[:p] + chunks[p + 1 :], self.table, self.page_size,
-                             self.state_slots if self.state is not None else None)
-        its = idx // self.pages.max_pages == chunks[p].slot  # the page-table pairs of chunk p's row
-        logits, sample_rows = self.graphs.replay(rows, idx[~its], vals[~its], self.feed)
-        chunk_logits, chunk_rows = self.prefill_graphs.replay(chunk, parts, idx[its], vals[its])
-        if not chunks[p].sample:
-            return logits, sample_rows
-        # every chunk before p samples (decode rows): p is its place among the sampled rows
-        return (torch.cat((logits[:p], chunk_logits, logits[p:])),
-                torch.cat((sample_rows[:p], chunk_rows, sample_rows[p:])))
-
-    def _several_parts(self, chunks: list[Chunk]) -> tuple[list[int], list[StepInputs], list] | None:
-        """(indexes, one-chunk inputs, PrefillGraphs.plan_chunks' plans) of the prefill chunks of a step that
-        replays them part by part (any number and length, checkpoints included, decode rows beside them
-        from their graph), or None: eager, when the graphs' cost model says so or the rows fit no bucket."""
+    def _graph_parts(self, chunks: list[Chunk], inputs: StepInputs
+                     ) -> tuple[list[int], list[StepInputs], list[ChunkParts], bool] | None:
+        """(indexes, one-chunk inputs, plans, alone) of the prefill chunks of a step the prefill graphs run,
+        decode rows beside them from their bucket's graph, or None (eager: the rows fit no bucket, or the
+        chunks are neither one that PrefillGraphs.parts replays, always, nor ones its cost model takes,
+        PrefillGraphs.plan_chunks). alone: the one short chunk, replayed by PrefillGraphs.replay."""
         graphs = self.prefill_graphs
-        if graphs is None or graphs.budget_s <= 0:
+        if graphs is None:
             return None
         prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) != 1 or not c.sample]
         rows = len(chunks) - len(prefill)
         if not prefill or rows and (self.graphs is None or self.graphs.bucket(rows) is None):
             return None
-        plans = graphs.plan_chunks([chunks[i] for i in prefill])
+        state_of = self.state_slots if self.state is not None else None
+        if len(prefill) == 1:
+            one = inputs if not rows else StepInputs.of([chunks[prefill[0]]], self.table, self.page_size, state_of)
+            parts = graphs.parts(one)
+            if parts:
+                return prefill, [one], [ChunkParts(parts)], True
+        plans = graphs.plan_chunks([chunks[i] for i in prefill]) if graphs.budget_s > 0 else None
         if plans is None:
             return None
-        state_of = self.state_slots if self.state is not None else None
-        return prefill, [StepInputs.of([chunks[i]], self.table, self.page_size, state_of) for i in prefill], plans
+        inputs_of = [StepInputs.of([chunks[i]], self.table, self.page_size, state_of) for i in prefill]
+        return prefill, inputs_of, plans, False
 
-    def _replay_several(self, chunks: list[Chunk], prefill: list[int], inputs: list[StepInputs], plans: list,
-                        idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The decode rows (if any) from their bucket's graph, then every prefill chunk from its parts'
-        graphs; logits and sampling rows in plan order, and how the step ran."""
+    def _replay_parts(self, chunks: list[Chunk], prefill: list[int], inputs: list[StepInputs], plans: list[ChunkParts],
+                      alone: bool, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The decode rows (if any) from their bucket's graph, then the prefill chunks from their parts'
+        graphs (forwards over disjoint sequences); logits and sampling rows in plan order, and how it ran."""
+        def prefill_forward(i, v):
+            if alone:
+                return self.prefill_graphs.replay(inputs[0], plans[0].parts, i, v)
+            return self.prefill_graphs.replay_chunks(inputs, plans, i, v)
+
         if len(prefill) == len(chunks):
-            return *self.prefill_graphs.replay_chunks(inputs, plans, idx, vals), STEP_SHORT_PREFILL_GRAPHS
+            return *prefill_forward(idx, vals), STEP_SHORT_PREFILL_GRAPHS
         chosen = set(prefill)
         decode = [c for i, c in enumerate(chunks) if i not in chosen]
         rows = StepInputs.of(decode, self.table, self.page_size, self.state_slots if self.state is not None else None)
         its = np.isin(idx // self.pages.max_pages, [chunks[i].slot for i in prefill])  # the prefill rows' pairs
         row_logits, row_rows = self.graphs.replay(rows, idx[~its], vals[~its], self.feed)
-        chunk_logits, chunk_rows = self.prefill_graphs.replay_chunks(inputs, plans, idx[its], vals[its])
+        chunk_logits, chunk_rows = prefill_forward(idx[its], vals[its])
         # back in plan order: runs of sampled chunks from one side or the other
         pieces, at = [], [0, 0]  # (source, start, stop) runs; at: the next row of each side
         for i, c in enumerate(chunks):

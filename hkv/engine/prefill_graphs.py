@@ -5,7 +5,7 @@ turn after a prefix hit, a tier hit's tail, a short prompt), runs as the graphs 
 that sum to n, largest first, back to back: n = 100 replays the 64-, 32- and 4-token graphs, each
 over the next part of the chunk (an odd n ends with the 1-token graph). A mixed step of decode rows
 and one such chunk (a prompt arriving while others decode) replays the rows' decode graph, then the
-chunk's parts (ModelRunner._replay_mixed): the two forwards touch disjoint sequences.
+chunk's parts (ModelRunner._replay_parts): the two forwards touch disjoint sequences.
 
     chunk      [ 64 tokens            | 32 tokens    | 4 ]   one sequence, start s
     replay     graph(64): kv s + 64     graph(32): s + 96    graph(4): s + 100, its last row sampled
@@ -50,10 +50,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hkv.engine.step_inputs import DevicePageTable, StepInputs
+from hkv.engine.step_inputs import DevicePageTable, StepInputs, checkpoints_of
 from hkv.ipc.messages import Chunk
 from hkv.models.batch import ForwardBatch
-from hkv_kernels.gdn import GDN_CHUNK
 from hkv_kernels.meta import StepArena, attention_tile, kernel_meta, meta_arrays
 
 log = logging.getLogger("hkv.rank")
@@ -271,12 +270,13 @@ class PrefillGraphs:
             return None
         plans = []
         for c in chunks:
-            n = len(c.token_ids)
-            marks = sorted((int(tokens), int(slot)) for tokens, slot in c.checkpoints)
-            inside = all(0 < tokens < n and tokens % GDN_CHUNK == 0 for tokens, _ in marks)
-            if c.follows or not n or not inside or len({m[0] for m in marks}) != len(marks):
+            try:  # the eager path's rule for checkpoints (it raises the error a bad one deserves)
+                marks = sorted((tokens, slot) for _, tokens, slot in checkpoints_of([c]))
+            except ValueError:
                 return None
-            plans.append(split_chunk(n, marks, self.largest))
+            if c.follows or not c.token_ids or len({m[0] for m in marks}) != len(marks):
+                return None
+            plans.append(split_chunk(len(c.token_ids), marks, self.largest))
         seen: set[int] = set()
         staged = cost = 0
         for t in (t for p in plans for t in p.parts):
@@ -340,25 +340,6 @@ class PrefillGraphs:
 
     def replay(self, inputs: StepInputs, parts: list[int], idx: np.ndarray, vals: np.ndarray
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the chunk as `parts` (from `parts`); returns the logits [S, vocab] (S = 1 if it samples,
+        """Run the one chunk as `parts` (from `parts`); returns the logits [S, vocab] (S = 1 if it samples,
         else 0) and the sampling rows [S] on the device."""
-        n = int(inputs.q_lens[0])
-        start = int(inputs.kv_lens[0]) - n
-        row = int(inputs.rows[0])
-        state_slot = int(inputs.state_slots[0]) if inputs.state_slots is not None else 0
-        arrays: dict[str, np.ndarray] = {"sample_rows": inputs.sample_rows}
-        done = 0
-        for t in parts:
-            part = slice(done, done + t)
-            done += t
-            arrays.update(self._varying(t, inputs.input_ids[part], inputs.positions[part], inputs.slot_mapping[part],
-                                        start + done, row, state_slot))
-        views = self.pages.pack(self.arena, arrays, self.layout, idx, vals)
-        for t in parts:
-            graph = self.graphs[t]
-            if graph is None:
-                self.logits.copy_(self.model(self.batches[t], self.kv, self.state))
-            else:
-                graph.replay()
-        sampled = len(inputs.logits_indices)
-        return self.logits[:sampled], views["sample_rows"][:sampled]
+        return self.replay_chunks([inputs], [ChunkParts(parts)], idx, vals)

@@ -72,7 +72,7 @@ class StepInputs:
             sample_rows=rows[sample_rows],
             follow_idx=first_token[follows],
             follow_rows=rows[follows],
-            checkpoints=_checkpoints_of(chunks),
+            checkpoints=checkpoints_of(chunks),
         )
 
     def page_rows(self, table: RequestTable) -> np.ndarray:
@@ -80,7 +80,7 @@ class StepInputs:
         return table.page_ids[self.rows, : self.max_pages].astype(np.int64)
 
 
-def _checkpoints_of(chunks: list[Chunk]) -> tuple[tuple[int, int, int], ...]:
+def checkpoints_of(chunks: list[Chunk]) -> tuple[tuple[int, int, int], ...]:
     """The chunks' in-chunk checkpoints as (sequence, tokens, state slot); ValueError for one not
     strictly inside its chunk on a GDN chunk boundary (the forward could not keep it)."""
     out = []
