@@ -10,8 +10,9 @@ import torch
 
 from hkv.engine.prefill_graphs import ChunkParts, PrefillGraphs, long_parts, split_chunk
 from hkv.ipc.messages import STEP_EAGER, STEP_MIXED_GRAPHS, STEP_SHORT_PREFILL_GRAPHS, Chunk
-from hkv.ipc.request_table import RequestTable, TableLayout
-from tests.engine.test_model_runner import PAGE, SLOTS, Driver, _model, _runner
+from tests.engine.test_model_runner import SLOTS, _model
+from tests.engine.test_prefill_graphs import _cuda_runner
+from tests.engine.test_prefill_graphs import _pair as graph_pair
 
 
 def test_pieces_cut_at_checkpoints_and_long_pieces_use_the_largest_bucket():
@@ -30,23 +31,11 @@ def test_pieces_cut_at_checkpoints_and_long_pieces_use_the_largest_bucket():
 
 def _pair(model, largest: int | None = None, max_pages: int = 80):
     """A plain CPU runner and a device-path one whose prefill graphs replay steps of several chunks."""
-    out = []
-    for device_path in (False, True):
-        layout = TableLayout(slots=SLOTS, max_pages=max_pages)
-        table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-        runner = _runner(model, table, device_path, max_tokens=512, pages=160)
-        if device_path and largest is not None:
-            runner.prefill_graphs = PrefillGraphs(model, runner.kv, runner.state, runner.pages, runner.attn_dims,
-                                                  runner.scratch[1], PAGE, largest=largest)
-        runner.capture_graphs()
-        if device_path:  # what capture measures on CUDA: every replay is cheap against the eager floor
-            graphs = runner.prefill_graphs
-            graphs.costs = dict.fromkeys(graphs.sizes, 1e-3)
-            graphs.budget_s = 1.0
-        driver = Driver(table)
-        driver.free = list(range(160))[::-1]
-        out.append((runner, driver))
-    return out
+    pair = graph_pair(model, pages=160, max_pages=max_pages, largest=largest)
+    graphs = pair[1][0].prefill_graphs  # what capture measures on CUDA: every replay cheap against the eager floor
+    graphs.costs = dict.fromkeys(graphs.sizes, 1e-3)
+    graphs.budget_s = 1.0
+    return pair
 
 
 def _same(results, tol: float = 1e-4):
@@ -180,16 +169,7 @@ def test_cuda_steps_of_several_chunks_equal_the_eager_steps(dtype, monkeypatch):
     model = model.to("cuda", getattr(torch, dtype)).eval()
     model.prepare_for_device()
     calls = _record(monkeypatch)
-    pair = []
-    for with_graphs in (True, False):
-        table = RequestTable(TableLayout(slots=SLOTS, max_pages=80), memoryview(bytearray(TableLayout(
-            slots=SLOTS, max_pages=80).nbytes())))
-        runner = _runner(model, table, True, max_tokens=512, pages=200, device="cuda", dtype=dtype,
-                         graphs=with_graphs)
-        runner.capture_graphs()
-        driver = Driver(table)
-        driver.free = list(range(200))[::-1]
-        pair.append((runner, driver))
+    pair = [_cuda_runner(model, dtype, with_graphs, pages=200, max_tokens=512) for with_graphs in (True, False)]
     (fast, fast_driver), (eager, eager_driver) = pair
     graphs = fast.prefill_graphs
     assert sorted(graphs.costs) == graphs.sizes and all(c > 0 for c in graphs.costs.values()) and graphs.budget_s > 0

@@ -100,13 +100,13 @@ def test_a_chunk_with_fed_in_tokens_or_no_graphs_stays_eager():
     assert graphs.parts(follows) is None
 
 
-def _cuda_runner(model, dtype: str, graphs: bool):
+def _cuda_runner(model, dtype: str, graphs: bool, pages: int = 64, max_tokens: int = 256):
     layout = TableLayout(slots=SLOTS, max_pages=80)
     table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-    runner = _runner(model, table, True, max_tokens=256, pages=64, device="cuda", dtype=dtype, graphs=graphs)
+    runner = _runner(model, table, True, max_tokens=max_tokens, pages=pages, device="cuda", dtype=dtype, graphs=graphs)
     runner.capture_graphs()
     driver = Driver(table)
-    driver.free = list(range(64))[::-1]
+    driver.free = list(range(pages))[::-1]
     return runner, driver
 
 
