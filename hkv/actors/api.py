@@ -253,7 +253,7 @@ class Api:
         bound = sum(p.sampling.max_tokens + 2 for p in plans)
         one = len(plans) == 1  # a ticket names one device hold: several prompts take the CPU path
         stream = self.link.open([(prompts[p.prompt_index], p.sampling) for p in plans], bound, route.peer,
-                                route.for_peer, route.device if one else None, route.for_peer and one)
+                                route.for_peer, route.device if one else None, route.for_peer and one, arrived)
         want_logprobs = options.logprobs is not None
         gen = Generation(plans, stream.req_ids, prompts, self.tokenizer, options.stop, want_logprobs, arrived)
         self.in_flight.enter()

@@ -239,7 +239,7 @@ class Router:
 
     def apply(self, msg: RouterInbound) -> None:
         if isinstance(msg, GenerateRequest):
-            self.timeline.arrived(msg.req_id, len(msg.prompt_ids))
+            self.timeline.arrived(msg.req_id, len(msg.prompt_ids), msg.received_at)
             self.admit(msg)
         elif isinstance(msg, AbortRequest):
             self.scheduler.abort(msg.req_id)

@@ -53,6 +53,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     peer_device: PeerDevice | None = None  # decode mode: the peer's device pages, when both share a GPU
     device_hold: bool = False  # prefill mode on CUDA: hold the prompt's device prefix for the peer (one-prompt
     # requests only: the answer names one hold, and a hold nobody names would sit until it expires)
+    received_at: float = 0.0  # time.monotonic() when the api took the HTTP request (0: unknown); only timed
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

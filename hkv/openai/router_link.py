@@ -192,15 +192,17 @@ class RouterLink:
         await self._sender.aclose()
 
     def open(self, requests: Sequence[tuple[list[int], SamplingParams]], bound: int, peer: str | None = None,
-             for_peer: bool = False, peer_device=None, device_hold: bool = False) -> RequestStream:
+             for_peer: bool = False, peer_device=None, device_hold: bool = False,
+             received_at: float = 0.0) -> RequestStream:
         """Queue one GenerateRequest per (prompt_ids, sampling); returns their stream. `peer`/`for_peer`/
-        `peer_device`/`device_hold`: prefill/decode (hkv/openai/pd_route.py)."""
+        `peer_device`/`device_hold`: prefill/decode (hkv/openai/pd_route.py); received_at: when the
+        HTTP request arrived (time.monotonic; the router's --log-request-times count from it)."""
         req_ids = [next(self._req_ids) for _ in requests]
         stream = RequestStream(req_ids, bound)
         for req_id, (prompt_ids, sampling) in zip(req_ids, requests):
             self._routes[req_id] = stream
             self._outbox.put_nowait(GenerateRequest(req_id, prompt_ids, sampling, peer, for_peer, peer_device,
-                                                    device_hold))
+                                                    device_hold, received_at))
         return stream
 
     def abort(self, stream: RequestStream, req_id: int) -> None:

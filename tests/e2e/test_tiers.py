@@ -116,8 +116,9 @@ def test_1_a_prefix_pushed_off_the_device_comes_back_from_the_cpu_tier(
     # --log-request-times: the tier hit's line, with its lookup and its loads (pages and checkpoint)
     gpu, cpu, disk = _tier_tokens(result)
     lines = re.findall(rf"request \d+: {len(PROMPT_A30)} prompt tokens, cached gpu {gpu} cpu {cpu} disk {disk} peer 0; "
-                       r"tier [\d.]+ ms, admitted [\d.]+ ms \(step \d+, \d+ tokens, (\d+) cache ops\), first step done "
-                       r"[\d.]+ ms \(forward [\d.]+ ms\), first token [\d.]+ ms, finished [\d.]+ ms \(length\)",
+                       r"router [\d.]+ ms, tier [\d.]+ ms, admitted [\d.]+ ms "
+                       r"\(step \d+, \d+ tokens, (\d+) cache ops\), first step done [\d.]+ ms \(forward [\d.]+ ms\), "
+                       r"first token [\d.]+ ms, finished [\d.]+ ms \(length\)",
                        server.log_path.read_text(errors="replace"))
     assert len(lines) == 1 and int(lines[0]) >= 2, server.log()[-3000:]
     assert _tier_tokens(again) == (served, 0, 0), again["usage"]

@@ -58,3 +58,25 @@ def test_off_it_keeps_nothing_and_the_tracked_set_is_bounded(monkeypatch):
     for req_id in range(5):
         on.arrived(req_id, 10)
     assert list(on._reqs) == [2, 3, 4]  # the oldest went
+
+
+def test_times_count_from_the_apis_receive_time_when_it_is_plausible(caplog):
+    """A request that waited in the router's inbox (it reads new requests between steps) shows the
+    wait as its `router` stage, every later stage counted from the api's receive time; a missing,
+    future or ancient receive time falls back to the router's clock."""
+    clock = Clock()
+    line = Timeline(True, clock)
+    line.arrived(1, 20, received_at=clock.now - 0.040)  # came during a 40 ms step
+    line.arrived(2, 20, received_at=0.0)  # unknown (an older api)
+    line.arrived(3, 20, received_at=clock.now + 5.0)  # ahead of this clock: not this host's
+    line.arrived(4, 20, received_at=clock.now - 2 * tl.MAX_WAIT_S)
+    clock.now += 0.002
+    for req_id in (1, 2, 3, 4):
+        plan = _plan(req_id, req_id, slot=req_id, tokens=8)
+        line.plan_sent(plan)
+    with caplog.at_level(logging.INFO, logger=tl.log.name):
+        line.published([TokenDelta(r, [5], None, None, "length", 20, 0) for r in (1, 2, 3, 4)])
+    lines = [r.getMessage().split("; ", 1)[1] for r in caplog.records]
+    assert lines[0] == ("router 40.0 ms, admitted 42.0 ms (step 1, 8 tokens, 0 cache ops), first token 42.0 ms, "
+                        "finished 42.0 ms (length)")
+    assert all(rest.startswith("admitted 2.0 ms") for rest in lines[1:]), lines
