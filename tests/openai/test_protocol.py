@@ -141,6 +141,12 @@ def test_bad_token_prompts(prompt):
     assert err.status == 400 and err.param == "prompt"
 
 
+@pytest.mark.parametrize("prompt, pos", [([5, 6, None], 2), ([5, True], 1), ([5, 6.0, 7], 1)])
+def test_a_token_that_is_not_an_integer_is_named_by_position(prompt, pos):
+    err = _err(parse_completion, {"prompt": prompt}, LIMITS)
+    assert (err.status, err.param) == (400, "prompt") and f"position {pos} is not an integer" in err.message
+
+
 def test_out_of_vocab_message_names_position():
     err = _err(parse_completion, {"prompt": [5, 6, 100]}, LIMITS)
     assert "100" in err.message and "position 2" in err.message
