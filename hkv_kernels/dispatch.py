@@ -92,7 +92,7 @@ def gated_delta_rule(
 
         g, beta = gdn_gates_ref(a, b, *gate_params)
         return gated_delta_rule_ref(q, k, v, g, beta, state, meta.q_len.tolist(), slots.tolist(), keep_slots=keep_slots,
-                                    checkpoints=() if checkpoints is None else checkpoints.entries)
+                                    checkpoints=() if checkpoints is None else checkpoints.entries())
     from hkv_kernels.gdn.fla_chunk import fla_available, gated_delta_rule_chunked
     from hkv_kernels.gdn.triton_recurrent import gated_delta_rule_recurrent
 

@@ -105,36 +105,48 @@ class CheckpointMeta:
 
     Checkpoint i keeps the linear state of sequence seq[i] after its first tokens[i] new
     tokens (0 < tokens[i] < q_len[seq[i]], a multiple of GDN_CHUNK) in state slot slots[i],
-    every linear layer; rows[i] = q_start[seq[i]] + tokens[i], the flat row after it:
+    every linear layer; rows[i] = q_start[seq[i]] + tokens[i], the flat row after it, and
+    h_rows[i] the GDN chunk starting there, counted across the step's sequences (fla-core's
+    chunk states are indexed so: h[h_rows[i]] is the state before that chunk):
 
         flat rows   [q_start ............ rows[i]) [rows[i] ...... q_start + q_len)
         recurrent   the state after row rows[i] - 1 goes to slots[i]
         conv        rows rows[i] - (K-1) .. rows[i] - 1 of the conv input, oldest first
 
-    entries: the host copy, (seq, tokens, slot) per checkpoint (CPU references loop over it).
+    Entries may repeat (a captured graph pads its fixed number with copies of one): a repeated
+    entry writes the same state to the same slot. Nothing here is read on the host, so a graph
+    can capture the kernels that use it.
     """
 
     seq: torch.Tensor
     tokens: torch.Tensor
     slots: torch.Tensor
     rows: torch.Tensor
-    entries: tuple[tuple[int, int, int], ...]
+    h_rows: torch.Tensor
+
+    def entries(self) -> tuple[tuple[int, int, int], ...]:
+        """(seq, tokens, slot) per checkpoint, read back (CPU references only: on CUDA it syncs)."""
+        return tuple(zip(self.seq.tolist(), self.tokens.tolist(), self.slots.tolist()))
 
 
-def checkpoint_arrays(entries: tuple[tuple[int, int, int], ...], q_start: np.ndarray) -> dict[str, np.ndarray]:
-    """CheckpointMeta's arena fields for `entries` ((seq, tokens, slot) triples; q_start: [B])."""
+def checkpoint_arrays(entries: tuple[tuple[int, int, int], ...], q_lens: np.ndarray) -> dict[str, np.ndarray]:
+    """CheckpointMeta's arena fields for `entries` ((seq, tokens, slot) triples; q_lens: [B] new tokens)."""
     table = np.asarray(entries, dtype=np.int64).reshape(-1, 3)
+    q_lens = np.asarray(q_lens, dtype=np.int64)
+    q_start = np.cumsum(q_lens) - q_lens
+    chunks = -(-q_lens // GDN_CHUNK)
+    first_chunk = np.cumsum(chunks) - chunks
     return {"ckpt_seq": table[:, 0], "ckpt_tokens": table[:, 1], "ckpt_slots": table[:, 2],
-            "ckpt_rows": q_start[table[:, 0]] + table[:, 1]}
+            "ckpt_rows": q_start[table[:, 0]] + table[:, 1],
+            "ckpt_hrows": first_chunk[table[:, 0]] + table[:, 1] // GDN_CHUNK}
 
 
-def checkpoint_meta(views: dict[str, torch.Tensor], entries: tuple[tuple[int, int, int], ...]
-                    ) -> CheckpointMeta | None:
+def checkpoint_meta(views: dict[str, torch.Tensor]) -> CheckpointMeta | None:
     """CheckpointMeta over an arena's views (packed from checkpoint_arrays); None without checkpoints."""
-    if not entries:
+    if "ckpt_seq" not in views or not len(views["ckpt_seq"]):
         return None
     return CheckpointMeta(views["ckpt_seq"], views["ckpt_tokens"], views["ckpt_slots"], views["ckpt_rows"],
-                          tuple(entries))
+                          views["ckpt_hrows"])
 
 
 class StepArena:

@@ -19,6 +19,7 @@ import msgspec
 from hkv.config import HkvConfig
 from hkv.engine import sizing
 from hkv.engine.model_runner import ModelRunner
+from hkv.engine.prefill_graphs import SHORT_CHUNK_TOKENS
 from hkv.ipc import request_table
 from hkv.ipc.dgram import DgramReceiver, DgramSender
 from hkv.ipc.messages import RankInbound, RankOutbound, RankReady, Shutdown
@@ -78,7 +79,8 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
     scratch = (pages, slots if state is not None else None) if on_cuda else None
     runner = ModelRunner(model, kv, state, table, cfg.cache.page_size, cfg.model.device, scratch=scratch,
                          max_tokens=cfg.scheduler.chunked_prefill_size + cfg.scheduler.max_running_requests,
-                         graph_max_bs=0 if drafting else cfg.model.cuda_graph_max_bs)  # drafting: verify graphs
+                         graph_max_bs=0 if drafting else cfg.model.cuda_graph_max_bs,  # drafting: verify graphs
+                         checkpoint_interval=cfg.cache.checkpoint_interval)
     if drafting:
         spec.attach(runner, draft, cfg.spec.spec_tokens, slots + extra, cfg.spec.oracle, cfg.model.cuda_graph_max_bs)
         log.info("speculative decoding: %d MTP drafts a step, draft window %s, %.1f KiB of drafter state a slot",
@@ -93,9 +95,11 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
                  len(runner.graphs.graphs), runner.graphs.max_bs, seconds)
     if runner.prefill_graphs is not None:
         short = runner.prefill_graphs
-        log.info("CUDA graphs: %d prefill buckets, one sequence of 1 to %d tokens (a chunk up to %d tokens replays "
-                 "them; steps of several or longer chunks do while the replays' device time stays below %.1f ms)",
-                 len(short.graphs), short.largest, 2 * short.largest - 1, short.budget_s * 1e3)
+        log.info("CUDA graphs: %d prefill buckets, one sequence of 1 to %d tokens and up to %d sequences of fewer (a "
+                 "lone chunk below %d tokens replays them; other prefill steps do when their replays' device time "
+                 "beats the eager step: at least %.1f ms on the host, %.1f ms keeping checkpoints)", len(short.graphs),
+                 short.largest, max(b for b, _ in short.sizes), min(SHORT_CHUNK_TOKENS, 2 * short.largest),
+                 short.budget_s * 1e3, short.budget_checkpoints_s * 1e3)
     verify_graphs = runner.spec.graphs if runner.spec is not None else None
     if verify_graphs is not None:
         log.info("CUDA graphs: %d verify buckets up to batch %d (%d tokens a row%s) in %.1f s",

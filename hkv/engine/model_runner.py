@@ -7,10 +7,12 @@ sent) and never decides anything.
 On CUDA a step's arrays and kernel metadata go to the device in one copy (a
 StepArena), page ids are mirrored incrementally (DevicePageTable), and decode
 steps replay CUDA graphs (hkv/engine/cuda_graphs.py), so do steps of one short
-prefill chunk (hkv/engine/prefill_graphs.py) and mixed steps of decode rows and
-one short prefill chunk (the decode graph of the rows, then the chunk's parts);
-steps of several prefill chunks, beside decode rows or not, replay the chunks' parts when the graphs'
-measured cost model says that beats the eager step; other steps run eagerly over the same kind of batch. On CPU
+prefill chunk (hkv/engine/prefill_graphs.py: graphs of b sequences of t tokens)
+and mixed steps of decode rows and one short prefill chunk (the decode graph of
+the rows, then the chunk's parts); steps of several or long prefill chunks,
+beside decode rows or not, replay the chunks' parts in rounds when the graphs'
+measured cost model says that beats the eager step; other steps run eagerly
+over the same kind of batch. On CPU
 the batch is built as plain tensors and the forward runs the pure-torch
 references.
 """
@@ -29,7 +31,7 @@ from hkv.cache.types import (
 )  # fmt: skip
 from hkv.engine.cuda_graphs import DecodeGraphs
 from hkv.engine.pair_transfers import PairTransferError
-from hkv.engine.prefill_graphs import ChunkParts, PrefillGraphs
+from hkv.engine.prefill_graphs import PrefillGraphs, StepParts
 from hkv.engine.sampler import PendingSample, SampleRow, sample_async
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import (
@@ -77,11 +79,12 @@ class Launched:
 class ModelRunner:
     """Runs plans on one device. On CUDA, pass `scratch` = (a KV page and a state slot the router
     never uses; the state slot None for dense models) so padded graph rows have somewhere to write,
-    `max_tokens` (the step token budget) and `graph_max_bs` (0: no CUDA graphs)."""
+    `max_tokens` (the step token budget), `graph_max_bs` (0: no CUDA graphs) and the checkpoint interval
+    (what the prefill graphs size their room for in-chunk checkpoints by)."""
 
     def __init__(self, model: torch.nn.Module, kv, state, table: RequestTable, page_size: int, device: str,
                  host=None, scratch: tuple[int, int | None] | None = None, max_tokens: int = 0,
-                 graph_max_bs: int = 0, device_metadata: bool | None = None):
+                 graph_max_bs: int = 0, device_metadata: bool | None = None, checkpoint_interval: int | None = None):
         self.model = model
         self.host = host  # HostPool: the CPU tier's shm entries (pinned on CUDA), None without tiers
         self.kv = kv  # KVPool: K/V pages of the full-attention layers
@@ -99,7 +102,7 @@ class ModelRunner:
         self.pages: DevicePageTable | None = None  # CUDA: page ids mirrored on the device
         self.arena: StepArena | None = None  # CUDA: the eager steps' metadata buffer
         self.graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None  # one-sequence short chunks (hkv/engine/prefill_graphs.py)
+        self.prefill_graphs: PrefillGraphs | None = None  # prefill chunks by parts (hkv/engine/prefill_graphs.py)
         self.spec = None  # hkv.engine.spec.SpecDecoder when drafting (--spec-tokens), set by its builder
         self.scratch: tuple[int, int | None] | None = None  # CUDA: the graph rows' scratch page and state slot
         self.peer_pools = None  # decode mode on CUDA: hkv.storage.ipc_pools.PeerPools, for PeerCopy ops
@@ -110,9 +113,10 @@ class ModelRunner:
         self._peer_timings: list[tuple] = []  # CUDA events around this plan's peer copies, logged at its finish
         # the CUDA path's arena, mirrored page table and decode buckets; tests also take it on CPU
         if self.device.type == "cuda" if device_metadata is None else device_metadata:
-            self._init_cuda(scratch, max_tokens, graph_max_bs)
+            self._init_cuda(scratch, max_tokens, graph_max_bs, checkpoint_interval)
 
-    def _init_cuda(self, scratch: tuple[int, int | None] | None, max_tokens: int, graph_max_bs: int) -> None:
+    def _init_cuda(self, scratch: tuple[int, int | None] | None, max_tokens: int, graph_max_bs: int,
+                   checkpoint_interval: int | None) -> None:
         if scratch is None or max_tokens <= 0:
             raise ValueError("a CUDA runner needs a scratch page (and slot) and the step token budget")
         self.scratch = scratch
@@ -120,16 +124,17 @@ class ModelRunner:
         self.pages = DevicePageTable(layout.slots, layout.max_pages, self.device, scratch[0])
         seqs = layout.slots
         # every field of a step, worst case: 7 of up to max_tokens entries, the rest per sequence,
-        # 4 per in-chunk checkpoint (at most one per GDN chunk of the step's tokens) and fla's chunk
+        # 5 per in-chunk checkpoint (at most one per GDN chunk of the step's tokens) and fla's chunk
         # metadata (2 per GDN chunk, each sequence's last one partial, and B + 1 offsets)
         chunks = max_tokens // GDN_CHUNK + seqs
-        self.arena = StepArena(7 * max_tokens + 19 * (seqs + 2) + 4 * (max_tokens // GDN_CHUNK) + 2 * chunks + 520,
+        self.arena = StepArena(7 * max_tokens + 19 * (seqs + 2) + 5 * (max_tokens // GDN_CHUNK) + 2 * chunks + 520,
                                self.device)
         if graph_max_bs > 0 and getattr(self.model, "graph_safe", True):
             self.graphs = DecodeGraphs(self.model, self.kv, self.state, self.pages, min(graph_max_bs, seqs),
                                        self.attn_dims, scratch[1], self.page_size)
             self.prefill_graphs = PrefillGraphs(self.model, self.kv, self.state, self.pages, self.attn_dims,
-                                                scratch[1], self.page_size, stage_tokens=max_tokens)
+                                                scratch[1], self.page_size, stage_tokens=max_tokens,
+                                                checkpoint_every=checkpoint_interval)
 
     def capture_graphs(self) -> float:
         """Capture the decode graphs, the short-prefill graphs and, when speculating, the verify graphs
@@ -406,19 +411,17 @@ class ModelRunner:
         decode = bool((inputs.q_lens == 1).all()) and len(inputs.logits_indices) == len(inputs.q_lens)
         if self.graphs is not None and decode and self.graphs.bucket(len(inputs.q_lens)) is not None:
             return *self.graphs.replay(inputs, idx, vals, self.feed), STEP_DECODE_GRAPH
-        chosen = self._graph_parts(plan.chunks, inputs)
+        chosen = self._graph_parts(plan.chunks)
         if chosen is not None:
             return self._replay_parts(plan.chunks, *chosen, idx, vals)
         batch, views = self.cuda_batch(inputs, idx, vals)
         self.feed(batch.input_ids, views["follow_idx"], views["follow_rows"])
         return self.model(batch, self.kv, self.state), views["sample_rows"], STEP_EAGER
 
-    def _graph_parts(self, chunks: list[Chunk], inputs: StepInputs
-                     ) -> tuple[list[int], list[StepInputs], list[ChunkParts], bool] | None:
-        """(indexes, one-chunk inputs, plans, alone) of the prefill chunks of a step the prefill graphs run,
-        decode rows beside them from their bucket's graph, or None (eager: the rows fit no bucket, or the
-        chunks are neither one that PrefillGraphs.parts replays, always, nor ones its cost model takes,
-        PrefillGraphs.plan_chunks). alone: the one short chunk, replayed by PrefillGraphs.replay."""
+    def _graph_parts(self, chunks: list[Chunk]) -> tuple[list[int], list[StepInputs], StepParts] | None:
+        """(indexes, one-chunk inputs, parts) of the prefill chunks of a step the prefill graphs run,
+        decode rows beside them from their bucket's graph, or None (eager: the rows fit no bucket, or
+        PrefillGraphs.plan_chunks keeps the chunks eager)."""
         graphs = self.prefill_graphs
         if graphs is None:
             return None
@@ -426,26 +429,18 @@ class ModelRunner:
         rows = len(chunks) - len(prefill)
         if not prefill or rows and (self.graphs is None or self.graphs.bucket(rows) is None):
             return None
-        state_of = self.state_slots if self.state is not None else None
-        if len(prefill) == 1:
-            one = inputs if not rows else StepInputs.of([chunks[prefill[0]]], self.table, self.page_size, state_of)
-            parts = graphs.parts(one)
-            if parts:
-                return prefill, [one], [ChunkParts(parts)], True
-        plans = graphs.plan_chunks([chunks[i] for i in prefill]) if graphs.budget_s > 0 else None
-        if plans is None:
+        plan = graphs.plan_chunks([chunks[i] for i in prefill])
+        if plan is None:
             return None
-        inputs_of = [StepInputs.of([chunks[i]], self.table, self.page_size, state_of) for i in prefill]
-        return prefill, inputs_of, plans, False
+        state_of = self.state_slots if self.state is not None else None
+        return prefill, [StepInputs.of([chunks[i]], self.table, self.page_size, state_of) for i in prefill], plan
 
-    def _replay_parts(self, chunks: list[Chunk], prefill: list[int], inputs: list[StepInputs], plans: list[ChunkParts],
-                      alone: bool, idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The decode rows (if any) from their bucket's graph, then the prefill chunks from their parts'
+    def _replay_parts(self, chunks: list[Chunk], prefill: list[int], inputs: list[StepInputs], plan: StepParts,
+                      idx: np.ndarray, vals: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The decode rows (if any) from their bucket's graph, then the prefill chunks from their rounds'
         graphs (forwards over disjoint sequences); logits and sampling rows in plan order, and how it ran."""
         def prefill_forward(i, v):
-            if alone:
-                return self.prefill_graphs.replay(inputs[0], plans[0].parts, i, v)
-            return self.prefill_graphs.replay_chunks(inputs, plans, i, v)
+            return self.prefill_graphs.replay_chunks(inputs, plan, i, v)
 
         if len(prefill) == len(chunks):
             return *prefill_forward(idx, vals), STEP_SHORT_PREFILL_GRAPHS
@@ -498,7 +493,7 @@ class ModelRunner:
         if inputs.state_slots is not None:
             arrays["state_slots"] = inputs.state_slots
         if inputs.checkpoints:
-            arrays.update(checkpoint_arrays(inputs.checkpoints, arrays["q_start"]))
+            arrays.update(checkpoint_arrays(inputs.checkpoints, inputs.q_lens))
         fits = sum(len(a) + 2 for a in arrays.values()) + 2 * len(idx) + 8 <= self.arena.capacity
         if fits:
             arrays.update(table_idx=idx, table_val=vals)
@@ -511,5 +506,5 @@ class ModelRunner:
             input_ids=views["input_ids"], positions=views["positions"], slot_mapping=views["slot_mapping"],
             logits_indices=views["logits_indices"], page_table=self.pages.table,
             meta=kernel_meta(views, inputs.q_lens, tile, block_t), state_slots=views.get("state_slots"),
-            checkpoints=checkpoint_meta(views, inputs.checkpoints),
+            checkpoints=checkpoint_meta(views),
         ), views

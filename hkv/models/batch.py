@@ -62,12 +62,12 @@ class ForwardBatch:
             arrays["state_slots"] = np.asarray(state_slots, dtype=np.int64)
         checkpoints = tuple(tuple(int(x) for x in entry) for entry in checkpoints)
         if checkpoints:
-            arrays.update(checkpoint_arrays(checkpoints, arrays["q_start"]))
+            arrays.update(checkpoint_arrays(checkpoints, q))
         arena = StepArena(sum(len(a) + 2 for a in arrays.values()) + 2, device)
         views = arena.pack(arrays)
         return cls(
             input_ids=views["input_ids"], positions=views["positions"], slot_mapping=views["slot_mapping"],
             logits_indices=views["logits_indices"], page_table=torch.as_tensor(page_table),
             meta=kernel_meta(views, q, tile, block_t), state_slots=views.get("state_slots"),
-            checkpoints=checkpoint_meta(views, checkpoints),
+            checkpoints=checkpoint_meta(views),
         )

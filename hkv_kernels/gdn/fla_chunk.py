@@ -51,7 +51,7 @@ def gated_delta_rule_chunked(
     checkpoints: in-chunk checkpoints (prefill steps only): state[checkpoints.slots[i]] must
     also receive the state of sequence seq[i] after its first tokens[i] tokens (a multiple
     of 64, fla's chunk size: one of the chunk-boundary states fla's forward materializes
-    in its h tensor), fp32, as the reference computes it (hkv_kernels/gdn/reference.py).
+    in its h tensor, row checkpoints.h_rows[i]), fp32, as the reference computes it (hkv_kernels/gdn/reference.py).
     Every sequence must have at least one new token (the runner never plans an empty chunk).
     Returns out: [T, Hv, Dv] in q's dtype.
     """
@@ -68,9 +68,8 @@ def gated_delta_rule_chunked(
         initial, q.shape[-1] ** -0.5, meta, use_qk_l2norm, gate_params,
     )
     if checkpoints is not None:
-        seqs, tokens = [e[0] for e in checkpoints.entries], [e[1] for e in checkpoints.entries]
         # fla keeps its chunk states in the input dtype (bf16): the checkpoints are those, widened
-        state.index_copy_(0, checkpoints.slots, chunk_states(h, meta, seqs, tokens).to(state.dtype))
+        state.index_copy_(0, checkpoints.slots, h[0].index_select(0, checkpoints.h_rows).to(state.dtype))
     state.index_copy_(0, slot_idx, final.to(state.dtype))
     return out[0].to(q.dtype)
 
@@ -114,20 +113,3 @@ def _chunked_with_states(q, k, v, g, beta, initial, scale, meta: KernelMeta, use
     out = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=scale, cu_seqlens=cu, chunk_size=FLA_CHUNK,
                       chunk_indices=indices)
     return out, final, h
-
-
-def chunk_states(h: torch.Tensor, meta: KernelMeta, seqs: list[int], tokens: list[int]) -> torch.Tensor:
-    """The recurrent states after `tokens[i]` tokens of sequence `seqs[i]` (multiples of 64, inside
-    the sequence's chunk) from _chunked_with_states' h: [N, Hv, Dk, Dv] fp32."""
-    lens = (meta.cu_seqlens_host[1:] - meta.cu_seqlens_host[:-1]).tolist()
-    first, acc = [], 0
-    for n in lens:
-        first.append(acc)
-        acc += -(-n // FLA_CHUNK)
-    rows = []
-    for b, t in zip(seqs, tokens):
-        if t % FLA_CHUNK or not 0 < t < lens[b]:
-            raise ValueError(f"in-chunk checkpoint after {t} of {lens[b]} tokens: not a 64-token chunk boundary")
-        rows.append(first[b] + t // FLA_CHUNK)
-    index = torch.tensor(rows, dtype=torch.long).to(h.device, non_blocking=True)
-    return h[0].index_select(0, index).float()

@@ -36,9 +36,8 @@ def _inputs(num_tokens, device="cpu", dtype=torch.float32, dims=(2, 4, 16, 8), s
 
 
 def _checkpoints(q_lens, entries, device):
-    q_start = np.cumsum(q_lens) - np.asarray(q_lens)
-    arrays = checkpoint_arrays(entries, q_start)
-    return checkpoint_meta(StepArena(64, torch.device(device)).pack(arrays), entries)
+    arrays = checkpoint_arrays(entries, np.asarray(q_lens))
+    return checkpoint_meta(StepArena(64, torch.device(device)).pack(arrays))
 
 
 def _rows(b, lo, hi):

@@ -1,5 +1,6 @@
 """Gated DeltaNet kernels against the references: decode in place, prefill, speculative verification."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,7 +85,8 @@ def test_fla_chunk_states_are_the_states_at_chunk_boundaries():
     """The per-chunk states fla's forward materializes are the recurrent states after 64, 128, ...
     tokens (issue 12's in-chunk checkpoints), and the kernel-by-kernel forward (chunk metadata
     from the step's KernelMeta) is fla's own."""
-    from hkv_kernels.gdn.fla_chunk import _chunked_with_states, chunk_states
+    from hkv_kernels.gdn.fla_chunk import _chunked_with_states
+    from hkv_kernels.meta import checkpoint_arrays
 
     dtype = torch.bfloat16
     q_lens, slots = [200, 129], [3, 0]
@@ -103,7 +105,10 @@ def test_fla_chunk_states_are_the_states_at_chunk_boundaries():
         use_qk_l2norm_in_kernel=True, cu_seqlens=meta.cu_seqlens,
     )
     assert rel_err(out, ref_out) < 1e-3 and rel_err(final, ref_final) < 1e-3
-    got = chunk_states(h, meta, [0, 0, 0, 1, 1], [64, 128, 192, 64, 128])
+    entries = [(0, 64, 0), (0, 128, 0), (0, 192, 0), (1, 64, 0), (1, 128, 0)]  # the h rows CheckpointMeta carries
+    rows = checkpoint_arrays(entries, np.asarray(q_lens))["ckpt_hrows"]
+    assert rows.tolist() == [1, 2, 3, 5, 6]  # the first sequence has 4 chunks (200 tokens)
+    got = h[0, torch.from_numpy(rows).cuda()].float()
     for i, (b, t) in enumerate([(0, 64), (0, 128), (0, 192), (1, 64), (1, 128)]):
         start = sum(q_lens[:b])
         _, want = _ref(q[start : start + t], k[start : start + t], v[start : start + t], g[start : start + t],
