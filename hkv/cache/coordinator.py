@@ -52,7 +52,9 @@ class CacheCoordinator(CheckpointPlacement):
         self.pages: PagePool = PagePool(spec.num_pages, spec.page_size)
         self.state_slots: SlotPool = SlotPool("state_slots", spec.num_state_slots)
         self.window_slots: SlotPool = SlotPool("window_slots", spec.num_window_slots)
-        self.tree: RadixTree = RadixTree(spec.page_size)
+        # checkpoints go LRU-2: a prefix that keeps being hit outlives the one-time checkpoints of every
+        # prompt's end and finish for twice the state pool's turnover (RadixTree.checkpoint_rank)
+        self.tree: RadixTree = RadixTree(spec.page_size, checkpoint_horizon=2 * spec.num_state_slots)
         self.requests: dict[int, RequestState] = {}  # read-only outside this module
         self._txn: Transaction | None = None  # the open transaction, if any (one at a time)
         self._undo: list[Callable[[], None]] | None = None  # the open transaction's or publish's undo log
@@ -249,7 +251,7 @@ class CacheCoordinator(CheckpointPlacement):
             src_window = restore.window if req.window_slots else None
             dst_window = req.window_slots[0] if src_window is not None else None
             ops = (RestoreCheckpoint(restore.slot, req.state_slots[0], restore.length, src_window, dst_window),)
-            self.tree.touch_checkpoint(restore)
+            self.tree.touch_checkpoint(restore, hit=True)
         if hit_node is not None:
             self.tree.touch(hit_node)
         req.phase = Phase.RUNNING

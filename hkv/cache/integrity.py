@@ -154,7 +154,7 @@ def _check_tree(tree: RadixTree, hybrid: bool, holders: _Holders) -> tuple[set[i
         ckpt = node.checkpoint
         if ckpt is not None:
             assert hybrid, f"{where}: a dense model's tree carries a checkpoint"
-            _check_checkpoint(ckpt, node, where, holders, ckpt_seqs, counts)
+            _check_checkpoint(tree, ckpt, node, where, holders, ckpt_seqs, counts)
             _add_disjoint(slots, [ckpt.slot], f"{where} checkpoint slot")
             if ckpt.window is not None:
                 _add_disjoint(windows, [ckpt.window], f"{where} checkpoint window")
@@ -181,7 +181,8 @@ def _check_node_shape(tree: RadixTree, node: Node, where: str) -> None:
     assert node.lock_ref >= 0, f"{where}: negative lock_ref"
 
 
-def _check_checkpoint(ckpt: Checkpoint, node: Node, where: str, holders: _Holders, seqs: dict, counts: dict) -> None:
+def _check_checkpoint(tree: RadixTree, ckpt: Checkpoint, node: Node, where: str, holders: _Holders, seqs: dict,
+                      counts: dict) -> None:
     assert ckpt.node is node and ckpt.length == node.depth, f"{where}: checkpoint length {ckpt.length} != depth"
     expected = holders.holds.get(id(ckpt), 0)
     assert ckpt.holds == expected, f"{where}: checkpoint holds {ckpt.holds}, but {expected} requests pin it"
@@ -191,7 +192,7 @@ def _check_checkpoint(ckpt: Checkpoint, node: Node, where: str, holders: _Holder
         counts["evictable_ckpts"] += 1
         counts["evictable_windows"] += ckpt.window is not None
         entry = seqs.get(ckpt.heap_seq)
-        rank = (ckpt.last_access, ckpt.ckpt_id)
+        rank = (tree.checkpoint_rank(ckpt), ckpt.ckpt_id)
         assert entry is not None and entry[:2] == rank, f"{where}: evictable checkpoint has no current heap entry"
 
 

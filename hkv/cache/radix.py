@@ -44,7 +44,7 @@ from typing import Iterator, NamedTuple
 class Checkpoint:
     """A saved linear-attention state (and draft window) after `length` tokens."""
 
-    __slots__ = ("slot", "window", "length", "ckpt_id", "node", "holds", "last_access", "heap_seq")
+    __slots__ = ("slot", "window", "length", "ckpt_id", "node", "holds", "last_access", "used_before", "heap_seq")
 
     def __init__(self, slot: int, window: int | None, length: int, ckpt_id: int, node: "Node"):
         self.slot: int = slot  # state slot, owned by the tree while attached
@@ -53,7 +53,8 @@ class Checkpoint:
         self.ckpt_id: int = ckpt_id  # creation order; breaks ties in eviction order
         self.node: Node = node  # the node whose end it sits at
         self.holds: int = 0  # requests that restored from it and still pin it
-        self.last_access: int = 0  # logical clock of its creation or last hit
+        self.last_access: int = 0  # checkpoint clock of its creation or last use
+        self.used_before: int = 0  # the use before last_access (0: stored, never hit since)
         self.heap_seq: int | None = None  # seq of its live eviction-heap entry
 
 
@@ -138,8 +139,11 @@ def _common_len(key: tuple, tokens: tuple, pos: int, m: int) -> int:
 class RadixTree:
     """Prefix index of cached pages and checkpoints; see the module docstring."""
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, checkpoint_horizon: int = 0):
         self.page_size: int = page_size
+        # checkpoint eviction: 0 is plain LRU; H > 0 is LRU-2 with a horizon of H checkpoint uses (see
+        # checkpoint_rank): a checkpoint hit again outlives a stream of stored-once ones, for H uses
+        self.checkpoint_horizon: int = checkpoint_horizon
         self.root: Node = Node((), (), None, 0, 0)
         self.num_nodes: int = 0  # excluding the root
         self.cached_pages: int = 0  # pages held by nodes in the tree
@@ -147,11 +151,12 @@ class RadixTree:
         self.num_checkpoints: int = 0  # attached checkpoints
         self.evictable_checkpoints: int = 0  # attached, unheld checkpoints
         self.evictable_windows: int = 0  # those of them that carry a window
-        self._clock: int = 0  # logical time for last_access
+        self._clock: int = 0  # logical time for the nodes' last_access
+        self._ckpt_clock: int = 0  # logical time of checkpoint uses: each store and each hit ticks it
         self._next_id: int = 1  # ids of nodes and checkpoints, in creation order
         self._seq: int = 0  # heap entry sequence numbers
         self._leaf_heap: list[tuple] = []  # (no-checkpoint first, last_access, node_id, seq, node)
-        self._ckpt_heap: list[tuple] = []  # (last_access, ckpt_id, seq, checkpoint)
+        self._ckpt_heap: list[tuple] = []  # (checkpoint_rank, ckpt_id, seq, checkpoint)
 
     def _child_key(self, key: tuple):
         """The dict key of an edge in its parent: its first page's token(s)."""
@@ -374,8 +379,8 @@ class RadixTree:
         assert node.checkpoint is None and node.parent is not None and node.in_tree
         ckpt = Checkpoint(slot, window, node.depth, self._next_id, node)
         self._next_id += 1
-        self._clock += 1
-        ckpt.last_access = self._clock
+        self._ckpt_clock += 1
+        ckpt.last_access = self._ckpt_clock
         node.checkpoint = ckpt
         self.num_checkpoints += 1
         self._count_evictable(ckpt, +1)
@@ -412,13 +417,28 @@ class RadixTree:
         self._seq += 1
         ckpt.heap_seq = self._seq
         heap = self._ckpt_heap
-        heappush(heap, (ckpt.last_access, ckpt.ckpt_id, self._seq, ckpt))
+        heappush(heap, (self.checkpoint_rank(ckpt), ckpt.ckpt_id, self._seq, ckpt))
         if len(heap) > 2 * self.num_checkpoints + 64:
             self._ckpt_heap = [e for e in heap if e[2] == e[3].heap_seq and self._ckpt_evictable(e[3])]
             heapify(self._ckpt_heap)
 
+    def checkpoint_rank(self, ckpt: Checkpoint) -> int:
+        """Where a checkpoint stands in the eviction order, lowest first. Plain LRU (horizon 0): its last
+        use. LRU-2 (horizon H): a checkpoint hit since it was stored ranks by the use before its last,
+        one stored and never hit by its last use less H, so in checkpoint uses (stores and hits)
+
+            stored once, at s                        rank s - H
+            hit again: uses ... u2 (before last), u1 rank u2
+
+        and a stream of checkpoints that are never hit (every prompt's own and every finish's) evicts
+        each other before any prefix that keeps being hit, while a prefix whose use before last is more
+        than H uses old goes before what was stored just now (no checkpoint is kept forever)."""
+        if not self.checkpoint_horizon:
+            return ckpt.last_access
+        return ckpt.used_before if ckpt.used_before else ckpt.last_access - self.checkpoint_horizon
+
     def evict_checkpoint(self, with_window: bool) -> Checkpoint | None:
-        """Detach the least recently used unheld checkpoint (one with a window if asked).
+        """Detach the unheld checkpoint first in the eviction order (checkpoint_rank; one with a window if asked).
 
         Returns it (the caller frees ckpt.slot and ckpt.window) or None.
         """
@@ -453,10 +473,13 @@ class RadixTree:
             self._count_evictable(ckpt, +1)
             self._push_checkpoint(ckpt)
 
-    def touch_checkpoint(self, ckpt: Checkpoint) -> None:
-        """Mark a checkpoint as used now (its own LRU, separate from pages)."""
-        self._clock += 1
-        ckpt.last_access = self._clock
+    def touch_checkpoint(self, ckpt: Checkpoint, hit: bool = False) -> None:
+        """Mark a checkpoint as used now (its own order, separate from pages): `hit`, a request restored
+        from it (its last use becomes the use before last); else only its last use moves."""
+        self._ckpt_clock += 1
+        if hit:
+            ckpt.used_before = ckpt.last_access
+        ckpt.last_access = self._ckpt_clock
         self._push_checkpoint(ckpt)
 
     def nodes(self) -> Iterator[Node]:

@@ -307,6 +307,25 @@ def test_checkpoints_are_evicted_lru_when_state_slots_run_out():
     coord.check_integrity()
 
 
+def test_a_shared_prefix_that_keeps_being_hit_outlives_a_stream_of_one_time_checkpoints():
+    """The coordinator ranks checkpoints LRU-2: the shared prefix [9, 9] was restored from once, so the
+    checkpoints of later one-time prompts evict each other, not it, though it was used longest ago."""
+    coord = hybrid(pages=40, slots=4)  # horizon 8 uses
+    run(coord, 1, [9, 9], state_slots=1, checkpoint=True)  # the shared prefix's checkpoint (slot 1)
+    coord.release(1)
+    hit, _, _ = run(coord, 2, [9, 9, 5], state_slots=1, publish=False)
+    assert hit.length == 2
+    coord.release(2)
+    for rid in range(3, 7):  # one-time prompts, each keeping a checkpoint: two slots turn over among them
+        run(coord, rid, [rid, rid], state_slots=1, checkpoint=True)
+        coord.release(rid)
+    assert [coord.tree.match((k, k, 0), 3).checkpoint_node is not None for k in (3, 4, 5, 6)] == [
+        False, False, True, True]
+    hit, grant, _ = run(coord, 7, [9, 9, 7], state_slots=1, publish=False)
+    assert hit.length == 2 and grant.ops == (RestoreCheckpoint(src_slot=1, dst_slot=0, length=2),)
+    coord.check_integrity()
+
+
 def test_a_drafting_requests_checkpoint_carries_its_window():
     coord = hybrid(windows=2)
     _, grant, published = run(coord, 1, [1, 2, 3, 4], state_slots=1, window_slots=1, checkpoint=True)
