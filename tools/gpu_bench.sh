@@ -3,7 +3,9 @@
 # (tools/make_bench_model.py): real hkv-launch servers on the GPU, one at a time, driven by hkv-bench.
 #   run: bash tools/gpu_bench.sh [parts: train,spec(-test,-bench,-tiny),launch,launch-only,i11,prefix,i12,i13,pd-test,
 #        pd-bench,pd2 (two GPUs),decode,sweep,ab (this tree against BASE_TREE: `git archive` of an earlier commit),
-#        wave (the shared-prefix wave three times on both trees, request times logged);
+#        wave (the shared-prefix wave three times on both trees, request times logged), steps (the wave's prefill
+#        steps in-process), rate (shared-prefix waves, steady, and the default workload at RATE requests/s, with
+#        and without the prefix cache);
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
@@ -19,8 +21,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 MODEL=${BENCH_MODEL:-/tmp/bench_model}  # made here unless it exists
 DEVICE=${DEVICE:-cuda}
 # SMOKE=1: the same script at toy sizes on a CPU server (checks the script itself, not hkv)
-if [[ -n ${SMOKE:-} ]]; then IN=64 GEN=4 LONG=600 LEVELS="1 4" VOCAB=1536 MEM=() TIER_PROMPT=256 TIER_GB=0.05 TIER_TOKENS=2048; else
-  IN=512 GEN=128 LONG=30000 LEVELS="1 32 64" VOCAB=151936 MEM=(--gpu-memory-fraction 0.8) TIER_PROMPT=8192 TIER_GB=16 TIER_TOKENS=24576; fi
+if [[ -n ${SMOKE:-} ]]; then IN=64 GEN=4 LONG=600 LEVELS="1 4" VOCAB=1536 MEM=() TIER_PROMPT=256 TIER_GB=0.05 TIER_TOKENS=2048
+  SYS=256 QL=16 WAVE=4 NGROUPS=2; else
+  IN=512 GEN=128 LONG=30000 LEVELS="1 32 64" VOCAB=151936 MEM=(--gpu-memory-fraction 0.8) TIER_PROMPT=8192 TIER_GB=16 TIER_TOKENS=24576
+  SYS=2048 QL=128 WAVE=32 NGROUPS=64; fi
 LOG="$OUT/gpu_bench.log"
 PORT=8100
 SERVER_PID=
@@ -36,7 +40,7 @@ start() {  # start NAME [flags...]: a server on $PORT, waits for /ready; ROOT=di
     "$@" >"/tmp/$name.out" 2>"/tmp/$name.err") &
   SERVER_PID=$!
   for _ in $(seq 1 "${START_WAIT:-600}"); do  # half-seconds: a cold GPU compiles and autotunes at start-up
-    curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && { grep -h "KV pool\|CUDA graphs\|serving" \
+    curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && { grep -h "KV pool\|CUDA graphs\|prefill graphs\|serving" \
       "/tmp/$name.err" "/tmp/$name.out" | tee -a "$LOG"; return 0; }
     kill -0 "$SERVER_PID" 2>/dev/null || break
     sleep 0.5
@@ -84,7 +88,7 @@ if wants launch || wants launch-only; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
 fi
-{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench || wants pd2 || wants ab || wants wave; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
+{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench || wants pd2 || wants ab || wants wave || wants rate; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
 if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
@@ -256,6 +260,32 @@ if wants wave; then  # the shared-prefix wave (cold cache each run), repeated, o
     }
   done
   merge wave
+fi
+if wants steps; then  # the wave's prefill steps in-process: the prefill graphs' rounds, forced and as picked, against eager
+  say "in-process prefill steps (tools/bench_prefill.py)"
+  timeout "${STEPS_TIMEOUT_S:-300}" python3 -m tools.bench_prefill --json "$OUT/prefill_steps.json" 2>&1 \
+    | grep -v Warning | tee -a "$LOG"
+fi
+if wants rate; then  # the default shared-prefix workload (64 groups x 16) at a request rate, with and without the cache
+  for tag in ${RATE_SERVERS:-cache nocache}; do
+    flags=; [[ $tag == nocache ]] && flags=--no-prefix-cache
+    say "server $tag: shared-prefix waves, steady and at ${RATE:-16} requests/s"
+    start "s_rate_$tag" --max-running-requests 64 "${MEM[@]}" $flags && {
+      for r in $(seq 1 "${WAVES:-3}"); do
+        bench "rate_wave_${tag}_$r" --workload shared-prefix --groups 1 --prompts-per-group "$WAVE" --system-len "$SYS" \
+          --question-len "$QL" --output-len 32 --concurrency "$WAVE" --warmup 0 | grep -E "TTFT|hit"
+      done
+      [[ -z ${NO_STEADY:-} ]] && bench "rate_steady_$tag" --workload shared-prefix --groups $((NGROUPS > 4 ? NGROUPS / 4 : 1)) --prompts-per-group 16 --system-len "$SYS" \
+        --question-len "$QL" --output-len "$((GEN * 2))" --concurrency "$WAVE" --warmup 2
+      bench "rate_r${RATE:-16}_$tag" --workload shared-prefix --groups "$NGROUPS" --system-len "$SYS" \
+        --question-len "$QL" --output-len "$((GEN * 2))" --request-rate "${RATE:-16}" --warmup 2
+      curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_graph_steps_total|^hkv_engine_steps_total" \
+        | tee -a "$LOG"
+      grep -h "prefill graphs:" "/tmp/s_rate_$tag.err" | cut -c25- | tee -a "$LOG"
+      stop
+    }
+  done
+  merge rate
 fi
 if wants decode; then
   say "in-process decode step"
