@@ -92,7 +92,7 @@ class CheckpointPlacement:
         tree = self.tree
         tree.detach_checkpoint(ckpt)
         self._log(lambda: tree.reattach_checkpoint(ckpt))
-        moved = tree.attach_checkpoint(node, ckpt.slot, ckpt.window)
+        moved = tree.attach_checkpoint(node, ckpt.slot, ckpt.window, moved=True)
         self._log(lambda: tree.detach_checkpoint(moved))
         return moved
 

@@ -52,8 +52,8 @@ class CacheCoordinator(CheckpointPlacement):
         self.pages: PagePool = PagePool(spec.num_pages, spec.page_size)
         self.state_slots: SlotPool = SlotPool("state_slots", spec.num_state_slots)
         self.window_slots: SlotPool = SlotPool("window_slots", spec.num_window_slots)
-        # checkpoints go LRU-2: a prefix that keeps being hit outlives the one-time checkpoints of every
-        # prompt's end and finish for twice the state pool's turnover (RadixTree.checkpoint_rank)
+        # never-hit checkpoints go first: a prefix that keeps being hit outlives the one-time checkpoints of
+        # every prompt's end and finish, for twice the state pool's slots in stores and hits (checkpoint_rank)
         self.tree: RadixTree = RadixTree(spec.page_size, checkpoint_horizon=2 * spec.num_state_slots)
         self.requests: dict[int, RequestState] = {}  # read-only outside this module
         self._txn: Transaction | None = None  # the open transaction, if any (one at a time)

@@ -44,7 +44,7 @@ from typing import Iterator, NamedTuple
 class Checkpoint:
     """A saved linear-attention state (and draft window) after `length` tokens."""
 
-    __slots__ = ("slot", "window", "length", "ckpt_id", "node", "holds", "last_access", "used_before", "heap_seq")
+    __slots__ = ("slot", "window", "length", "ckpt_id", "node", "holds", "last_access", "last_event", "hit", "heap_seq")
 
     def __init__(self, slot: int, window: int | None, length: int, ckpt_id: int, node: "Node"):
         self.slot: int = slot  # state slot, owned by the tree while attached
@@ -53,8 +53,9 @@ class Checkpoint:
         self.ckpt_id: int = ckpt_id  # creation order; breaks ties in eviction order
         self.node: Node = node  # the node whose end it sits at
         self.holds: int = 0  # requests that restored from it and still pin it
-        self.last_access: int = 0  # checkpoint clock of its creation or last use
-        self.used_before: int = 0  # the use before last_access (0: stored, never hit since)
+        self.last_access: int = 0  # logical clock of its creation or last use (hit or publish touch)
+        self.last_event: int = 0  # the checkpoint clock (stores and hits) at that use
+        self.hit: bool = False  # a request restored from it since it was stored
         self.heap_seq: int | None = None  # seq of its live eviction-heap entry
 
 
@@ -141,8 +142,8 @@ class RadixTree:
 
     def __init__(self, page_size: int, checkpoint_horizon: int = 0):
         self.page_size: int = page_size
-        # checkpoint eviction: 0 is plain LRU; H > 0 is LRU-2 with a horizon of H checkpoint uses (see
-        # checkpoint_rank): a checkpoint hit again outlives a stream of stored-once ones, for H uses
+        # checkpoint eviction: 0 is plain LRU; H > 0 ranks one never hit as if last used H checkpoint stores
+        # or hits earlier (checkpoint_rank): a stream of one-time checkpoints evicts each other first
         self.checkpoint_horizon: int = checkpoint_horizon
         self.root: Node = Node((), (), None, 0, 0)
         self.num_nodes: int = 0  # excluding the root
@@ -152,7 +153,7 @@ class RadixTree:
         self.evictable_checkpoints: int = 0  # attached, unheld checkpoints
         self.evictable_windows: int = 0  # those of them that carry a window
         self._clock: int = 0  # logical time for the nodes' last_access
-        self._ckpt_clock: int = 0  # logical time of checkpoint uses: each store and each hit ticks it
+        self._ckpt_clock: int = 0  # the horizon's time: each checkpoint stored and each hit ticks it
         self._next_id: int = 1  # ids of nodes and checkpoints, in creation order
         self._seq: int = 0  # heap entry sequence numbers
         self._leaf_heap: list[tuple] = []  # (no-checkpoint first, last_access, node_id, seq, node)
@@ -371,16 +372,20 @@ class RadixTree:
             if ckpt.window is not None:
                 self.evictable_windows += sign
 
-    def attach_checkpoint(self, node: Node, slot: int, window: int | None) -> Checkpoint:
-        """Record that `slot` (and `window`) hold the state after node.depth tokens.
+    def attach_checkpoint(self, node: Node, slot: int, window: int | None, moved: bool = False) -> Checkpoint:
+        """Record that `slot` (and `window`) hold the state after node.depth tokens; a new store ticks
+        the checkpoint clock, a rolling checkpoint `moved` here does not (it is no new checkpoint).
 
         The tree owns the slots from now on. Undo: `detach_checkpoint`.
         """
         assert node.checkpoint is None and node.parent is not None and node.in_tree
         ckpt = Checkpoint(slot, window, node.depth, self._next_id, node)
         self._next_id += 1
-        self._ckpt_clock += 1
-        ckpt.last_access = self._ckpt_clock
+        self._clock += 1
+        ckpt.last_access = self._clock
+        if not moved:
+            self._ckpt_clock += 1
+        ckpt.last_event = self._ckpt_clock
         node.checkpoint = ckpt
         self.num_checkpoints += 1
         self._count_evictable(ckpt, +1)
@@ -422,20 +427,20 @@ class RadixTree:
             self._ckpt_heap = [e for e in heap if e[2] == e[3].heap_seq and self._ckpt_evictable(e[3])]
             heapify(self._ckpt_heap)
 
-    def checkpoint_rank(self, ckpt: Checkpoint) -> int:
-        """Where a checkpoint stands in the eviction order, lowest first. Plain LRU (horizon 0): its last
-        use. LRU-2 (horizon H): a checkpoint hit since it was stored ranks by the use before its last,
-        one stored and never hit by its last use less H, so in checkpoint uses (stores and hits)
+    def checkpoint_rank(self, ckpt: Checkpoint) -> tuple[int, int]:
+        """Where a checkpoint stands in the eviction order, lowest first: its last use, in the ticks of
+        a clock that counts checkpoints stored and hits, then in the tree's clock (plain LRU when the
+        horizon is 0). With a horizon H, a checkpoint never hit since it was stored ranks H ticks older:
 
-            stored once, at s                        rank s - H
-            hit again: uses ... u2 (before last), u1 rank u2
+            hit since stored, last used at tick u    (u, ...)
+            stored at tick s, never hit since        (s - H, ...)   (a publish touch moves s to now)
 
-        and a stream of checkpoints that are never hit (every prompt's own and every finish's) evicts
-        each other before any prefix that keeps being hit, while a prefix whose use before last is more
-        than H uses old goes before what was stored just now (no checkpoint is kept forever)."""
-        if not self.checkpoint_horizon:
-            return ckpt.last_access
-        return ckpt.used_before if ckpt.used_before else ckpt.last_access - self.checkpoint_horizon
+        So the one-time checkpoints of every prompt's end and every finish evict each other before a
+        prefix that keeps being hit, as long as its last hit is less than H ticks old; among hit ones,
+        and among never-hit ones, it is plain LRU. A rolling checkpoint's move is no store (no tick):
+        with it, a decoding batch ran the clock hundreds of ticks a second."""
+        shift = self.checkpoint_horizon if not ckpt.hit else 0
+        return ckpt.last_event - shift, ckpt.last_access
 
     def evict_checkpoint(self, with_window: bool) -> Checkpoint | None:
         """Detach the unheld checkpoint first in the eviction order (checkpoint_rank; one with a window if asked).
@@ -474,12 +479,14 @@ class RadixTree:
             self._push_checkpoint(ckpt)
 
     def touch_checkpoint(self, ckpt: Checkpoint, hit: bool = False) -> None:
-        """Mark a checkpoint as used now (its own order, separate from pages): `hit`, a request restored
-        from it (its last use becomes the use before last); else only its last use moves."""
-        self._ckpt_clock += 1
+        """Mark a checkpoint as used now (its own order, separate from pages). `hit`: a request restored
+        from it, which ticks the horizon's clock; a publish touch (a prefix published again) does not."""
+        self._clock += 1
+        ckpt.last_access = self._clock
         if hit:
-            ckpt.used_before = ckpt.last_access
-        ckpt.last_access = self._ckpt_clock
+            self._ckpt_clock += 1
+            ckpt.hit = True
+        ckpt.last_event = self._ckpt_clock
         self._push_checkpoint(ckpt)
 
     def nodes(self) -> Iterator[Node]:

@@ -308,9 +308,9 @@ def test_checkpoints_are_evicted_lru_when_state_slots_run_out():
 
 
 def test_a_shared_prefix_that_keeps_being_hit_outlives_a_stream_of_one_time_checkpoints():
-    """The coordinator ranks checkpoints LRU-2: the shared prefix [9, 9] was restored from once, so the
-    checkpoints of later one-time prompts evict each other, not it, though it was used longest ago."""
-    coord = hybrid(pages=40, slots=4)  # horizon 8 uses
+    """The coordinator ranks never-hit checkpoints first: the shared prefix [9, 9] was restored from once,
+    so the checkpoints of later one-time prompts evict each other, not it, though it was used longest ago."""
+    coord = hybrid(pages=40, slots=4)  # a horizon of 8 stores and hits
     run(coord, 1, [9, 9], state_slots=1, checkpoint=True)  # the shared prefix's checkpoint (slot 1)
     coord.release(1)
     hit, _, _ = run(coord, 2, [9, 9, 5], state_slots=1, publish=False)

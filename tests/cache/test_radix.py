@@ -166,30 +166,30 @@ def test_checkpoints_are_evicted_lru_and_held_ones_are_kept():
     assert tree.num_checkpoints == 0 and nodes[1].checkpoint is None
 
 
-def test_lru2_keeps_a_hit_checkpoint_through_a_stream_of_stored_once_ones_for_its_horizon():
-    """With a horizon of H uses, a checkpoint hit since it was stored ranks by its use before last,
-    a stored-once one by its last use less H (RadixTree.checkpoint_rank)."""
+def test_a_hit_checkpoint_outlives_a_stream_of_never_hit_ones_for_its_horizon():
+    """With a horizon of H ticks (checkpoints stored and hits), a checkpoint never hit since it was
+    stored ranks as if used H ticks earlier (RadixTree.checkpoint_rank); plain LRU without one."""
     tree = RadixTree(page_size=1, checkpoint_horizon=10)
-    shared = tree.attach_checkpoint(insert(tree, [1], [1]).node, slot=1, window=None)  # use 1
-    tree.touch_checkpoint(shared, hit=True)  # use 2: a hit; its use before last is 1
-    assert (shared.used_before, shared.last_access, tree.checkpoint_rank(shared)) == (1, 2, 1)
-    once = [tree.attach_checkpoint(insert(tree, [k], [k]).node, slot=k, window=None) for k in (2, 3, 4)]  # uses 3-5
-    tree.touch_checkpoint(once[0])  # use 6: a publish touch moves its last use, it is no hit
-    assert [tree.checkpoint_rank(c) for c in once] == [-4, -6, -5] and once[0].used_before == 0
-    # plain LRU would give up the shared prefix first (last used at 2); LRU-2 the stored-once ones
+    shared = tree.attach_checkpoint(insert(tree, [1], [1]).node, slot=1, window=None)  # tick 1
+    tree.touch_checkpoint(shared, hit=True)  # tick 2
+    assert (shared.hit, shared.last_event, tree.checkpoint_rank(shared)[0]) == (True, 2, 2)
+    once = [tree.attach_checkpoint(insert(tree, [k], [k]).node, slot=k, window=None) for k in (2, 3, 4)]  # 3-5
+    tree.touch_checkpoint(once[0])  # a publish touch: no tick, its last use is now (tick 5)
+    assert [tree.checkpoint_rank(c)[0] for c in once] == [-5, -6, -5] and not once[0].hit
+    # plain LRU would give up the shared prefix first (used longest ago); here the never-hit ones go
     assert [tree.evict_checkpoint(with_window=False) for _ in range(3)] == [once[1], once[2], once[0]]
-    late = tree.attach_checkpoint(insert(tree, [7], [7]).node, slot=7, window=None)  # use 7: rank -3
-    assert tree.evict_checkpoint(with_window=False) is late
-    # past the horizon: a checkpoint last used more than H uses after the shared one's use before last
-    newer = tree.attach_checkpoint(insert(tree, [8], [8]).node, slot=8, window=None)  # use 8
-    for _ in range(4):
-        tree.touch_checkpoint(newer)  # uses 9-12: rank 2
-    assert tree.checkpoint_rank(newer) == 2
-    assert [tree.evict_checkpoint(with_window=False) for _ in range(3)] == [shared, newer, None]
-    plain = RadixTree(page_size=1)  # horizon 0: plain LRU, a hit only moves the last use
+    # a rolling checkpoint's move is no store: no tick
+    moved = tree.attach_checkpoint(insert(tree, [5], [5]).node, slot=5, window=None, moved=True)
+    assert moved.last_event == 5 and tree.evict_checkpoint(with_window=False) is moved
+    # past the horizon: stored ones more than H ticks after the shared prefix's last hit go after it
+    later = [tree.attach_checkpoint(insert(tree, [k], [k]).node, slot=k, window=None) for k in range(10, 18)]
+    assert [c.last_event for c in later] == list(range(6, 14))
+    evicted = [tree.evict_checkpoint(with_window=False) for _ in range(10)]
+    assert evicted == later[:6] + [shared] + later[6:] + [None]  # rank 2 ties at tick 12: the older use first
+    plain = RadixTree(page_size=1)  # horizon 0: plain LRU, a publish touch counts as much as a hit
     a, b = (plain.attach_checkpoint(insert(plain, [k], [k]).node, slot=k, window=None) for k in (1, 2))
-    plain.touch_checkpoint(a, hit=True)
-    assert plain.checkpoint_rank(a) == a.last_access == 3 and plain.evict_checkpoint(with_window=False) is b
+    plain.touch_checkpoint(a)
+    assert plain.evict_checkpoint(with_window=False) is b and plain.evict_checkpoint(with_window=False) is a
 
 
 def test_evicting_a_leaf_takes_its_checkpoint_with_it():
