@@ -92,18 +92,20 @@ def copy_bandwidth() -> float:
 class DecodeRig:
     """One runner over B sequences of `context` tokens each (their KV is garbage: speed only)."""
 
-    def __init__(self, model, max_bs: int, context: int, graphs: bool):
-        cfg = model.cfg
+    def __init__(self, model, max_bs: int, context: int, graphs: bool, extra_slots: int = 0,
+                 max_tokens: int | None = None, checkpoint_interval: int | None = None):
+        """extra_slots: state slots max_bs .. max_bs + extra_slots - 1 beside the sequences' own (for
+        checkpoints); max_tokens: the step token budget (max_bs * 130 by default)."""
         self.context = context
         pages_per_seq = -(-(context + 64) // PAGE)
         num_pages = max_bs * pages_per_seq
         layout = TableLayout(slots=max_bs, max_pages=pages_per_seq + 1)
         self.table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
         self.kv = KVPool(model.kv_layout(num_pages + 1, PAGE, "bfloat16", "cuda"), model.layer_map)
-        self.state = StatePool(model.state_layout(max_bs + 1, device="cuda"))
+        self.state = StatePool(model.state_layout(max_bs + extra_slots + 1, device="cuda"))
         self.runner = ModelRunner(model, self.kv, self.state, self.table, PAGE, "cuda",
-                                  scratch=(num_pages, max_bs), max_tokens=max_bs * 130,
-                                  graph_max_bs=max_bs if graphs else 0)
+                                  scratch=(num_pages, max_bs + extra_slots), max_tokens=max_tokens or max_bs * 130,
+                                  graph_max_bs=max_bs if graphs else 0, checkpoint_interval=checkpoint_interval)
         self.capture_s = self.runner.capture_graphs()
         for s in range(max_bs):
             self.table.write_pages(s, list(range(s * pages_per_seq, (s + 1) * pages_per_seq)))

@@ -28,39 +28,20 @@ import time
 import numpy as np
 import torch
 
-from hkv.engine.model_runner import ModelRunner
-from hkv.ipc.messages import Chunk, NewSequence, SamplingParams, StepPlan
-from hkv.ipc.request_table import RequestTable, TableLayout
-from hkv.storage.kv_pool import KVPool
-from hkv.storage.state_pool import StatePool
-from tools.bench_decode import BENCH_CONFIG, PAGE, build_model
+from hkv.ipc.messages import Chunk, StepPlan
+from tools.bench_decode import BENCH_CONFIG, DecodeRig, build_model
 
 PREFIX, QUESTION, INTERVAL, LONG = 2048, 128, 256, 8192
 
 
-class PrefillRig:
+class PrefillRig(DecodeRig):
     """A runner over S sequences with room for LONG tokens each, plus checkpoint slots (KV is garbage)."""
 
     def __init__(self, model, seqs: int, budget: int):
-        self.seqs = seqs
-        pages_per_seq = -(-(LONG + 64) // PAGE)
-        num_pages = seqs * pages_per_seq
-        layout = TableLayout(slots=seqs, max_pages=pages_per_seq)
-        self.table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-        self.kv = KVPool(model.kv_layout(num_pages + 1, PAGE, "bfloat16", "cuda"), model.layer_map)
-        self.checkpoint_slots = list(range(seqs, seqs + PREFIX // INTERVAL + 1))
-        self.state = StatePool(model.state_layout(seqs + len(self.checkpoint_slots) + 1, device="cuda"))
-        scratch_slot = seqs + len(self.checkpoint_slots)
-        self.runner = ModelRunner(model, self.kv, self.state, self.table, PAGE, "cuda",
-                                  scratch=(num_pages, scratch_slot), max_tokens=budget + seqs,
-                                  graph_max_bs=seqs, checkpoint_interval=INTERVAL)
-        self.capture_s = self.runner.capture_graphs()
-        for s in range(seqs):
-            self.table.write_pages(s, list(range(s * pages_per_seq, (s + 1) * pages_per_seq)))
-        greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0)
-        new = [NewSequence(s, s + 1, greedy, s) for s in range(seqs)]
-        self.runner.execute(StepPlan(step=0, new=new, chunks=[], freed=[]))
-        self.step = 0
+        checkpoints = PREFIX // INTERVAL + 1
+        super().__init__(model, seqs, LONG, graphs=True, extra_slots=checkpoints, max_tokens=budget + seqs,
+                         checkpoint_interval=INTERVAL)
+        self.checkpoint_slots = list(range(seqs, seqs + checkpoints))
 
     def _plan(self, chunks: list[Chunk]) -> StepPlan:
         self.step += 1

@@ -152,7 +152,7 @@ class RadixTree:
         self.num_checkpoints: int = 0  # attached checkpoints
         self.evictable_checkpoints: int = 0  # attached, unheld checkpoints
         self.evictable_windows: int = 0  # those of them that carry a window
-        self._clock: int = 0  # logical time for the nodes' last_access
+        self._clock: int = 0  # logical time for last_access (nodes and checkpoints)
         self._ckpt_clock: int = 0  # the horizon's time: each checkpoint stored and each hit ticks it
         self._next_id: int = 1  # ids of nodes and checkpoints, in creation order
         self._seq: int = 0  # heap entry sequence numbers
