@@ -4,8 +4,8 @@
 #   run: bash tools/gpu_bench.sh [parts: train,spec(-test,-bench,-tiny),launch,launch-only,i11,prefix,i12,i13,pd-test,
 #        pd-bench,pd2 (two GPUs),decode,sweep,ab (this tree against BASE_TREE: `git archive` of an earlier commit),
 #        wave (the shared-prefix wave three times on both trees, request times logged), steps (the wave's prefill
-#        steps in-process), rate (shared-prefix waves, steady, and the default workload at RATE requests/s, with
-#        and without the prefix cache);
+#        steps in-process), rate (shared-prefix waves, steady, and the default workload at each of RATES requests/s,
+#        default RATE or 16, with and without the prefix cache; RATE_SERVERS picks them), l2 (tools.diag_l2_prefetch);
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
@@ -266,10 +266,12 @@ if wants steps; then  # the wave's prefill steps in-process: the prefill graphs'
   timeout "${STEPS_TIMEOUT_S:-300}" python3 -m tools.bench_prefill --json "$OUT/prefill_steps.json" 2>&1 \
     | grep -v Warning | tee -a "$LOG"
 fi
-if wants rate; then  # the default shared-prefix workload (64 groups x 16) at a request rate, with and without the cache
+if wants rate; then  # the default shared-prefix workload (64 groups x 16) at request rates, with and without the cache
+  # one server at a time: two starting together on one GPU skew each other's capture-time replay timings, which the
+  # prefill cost model uses (a 2,048-token replay read 40 ms instead of 18)
   for tag in ${RATE_SERVERS:-cache nocache}; do
     flags=; [[ $tag == nocache ]] && flags=--no-prefix-cache
-    say "server $tag: shared-prefix waves, steady and at ${RATE:-16} requests/s"
+    say "server $tag: shared-prefix waves, steady and at ${RATES:-${RATE:-16}} requests/s"
     start "s_rate_$tag" --max-running-requests 64 "${MEM[@]}" $flags && {
       for r in $(seq 1 "${WAVES:-3}"); do
         bench "rate_wave_${tag}_$r" --workload shared-prefix --groups 1 --prompts-per-group "$WAVE" --system-len "$SYS" \
@@ -277,8 +279,10 @@ if wants rate; then  # the default shared-prefix workload (64 groups x 16) at a 
       done
       [[ -z ${NO_STEADY:-} ]] && bench "rate_steady_$tag" --workload shared-prefix --groups $((NGROUPS > 4 ? NGROUPS / 4 : 1)) --prompts-per-group 16 --system-len "$SYS" \
         --question-len "$QL" --output-len "$((GEN * 2))" --concurrency "$WAVE" --warmup 2
-      bench "rate_r${RATE:-16}_$tag" --workload shared-prefix --groups "$NGROUPS" --system-len "$SYS" \
-        --question-len "$QL" --output-len "$((GEN * 2))" --request-rate "${RATE:-16}" --warmup 2
+      for rate in ${RATES:-${RATE:-16}}; do
+        bench "rate_r${rate}_$tag" --workload shared-prefix --groups "$NGROUPS" --system-len "$SYS" \
+          --question-len "$QL" --output-len "$((GEN * 2))" --request-rate "$rate" --warmup 2
+      done
       curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_graph_steps_total|^hkv_engine_steps_total" \
         | tee -a "$LOG"
       grep -h "prefill graphs:" "/tmp/s_rate_$tag.err" | cut -c25- | tee -a "$LOG"
@@ -286,6 +290,10 @@ if wants rate; then  # the default shared-prefix workload (64 groups x 16) at a 
     }
   done
   merge rate
+fi
+if wants l2; then
+  say "L2 prefetch of the next GEMM's weights on a side stream (synthetic decode step)"
+  timeout 240 python3 -m tools.diag_l2_prefetch 2>&1 | grep -v Warning | tee -a "$LOG"
 fi
 if wants decode; then
   say "in-process decode step"
