@@ -66,6 +66,7 @@ class DecodeGraphs:
         # every bucket's graph copies its logits here: one buffer, not one per bucket
         self.logits: torch.Tensor = torch.empty(max_bs, model.cfg.vocab_size, dtype=torch.float32, device=kv.k.device)
         self.pool = None  # one memory pool shared by every bucket's graph
+        self.costs: dict[int, float] = {}  # bucket -> a replay's device seconds (measured at capture on CUDA)
 
     def bucket(self, batch_size: int) -> int | None:
         """The captured bucket a decode batch of this size replays, or None (too large)."""
@@ -78,7 +79,25 @@ class DecodeGraphs:
         for i, b in enumerate(sizes, 1):
             self._capture(b)
             log.info("captured CUDA graph %d/%d (batch %d)", i, len(sizes), b)
+        if self.arena.device.type == "cuda":
+            self.measure()
         return time.perf_counter() - started
+
+    def measure(self, repeats: int = 3) -> None:
+        """Each bucket's replay on the device (CUDA events, the best of `repeats`): what decode rows
+        add to a step whose prefill chunks replay beside them (PrefillGraphs.plan_chunks). The
+        replays run the padding batch, which writes only the scratch page and slot."""
+        with torch.inference_mode():
+            for b, graph in self.graphs.items():
+                best = float("inf")
+                for _ in range(repeats):
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    best = min(best, begin.elapsed_time(end) / 1e3)
+                self.costs[b] = best
 
     def _padded(self, inputs: StepInputs | None, b: int) -> dict[str, np.ndarray]:
         """The arena arrays of a decode batch padded to bucket b (inputs None: all padding)."""

@@ -429,7 +429,8 @@ class ModelRunner:
         rows = len(chunks) - len(prefill)
         if not prefill or rows and (self.graphs is None or self.graphs.bucket(rows) is None):
             return None
-        plan = graphs.plan_chunks([chunks[i] for i in prefill])
+        rows_s = self.graphs.costs.get(self.graphs.bucket(rows), 0.0) if rows else 0.0
+        plan = graphs.plan_chunks([chunks[i] for i in prefill], rows=rows, rows_s=rows_s)
         if plan is None:
             return None
         state_of = self.state_slots if self.state is not None else None

@@ -32,11 +32,13 @@ Why: an eager step costs host time per launch (about 600 kernels a forward of th
 45-70 us each on the H200's host: docs/benchmarks.md), so every step with a prompt in it was
 host-bound. A lone chunk of 2 to 1,023 tokens always replays (a turn after a hit, a tier hit's
 tail). Other steps replay when that is cheaper than the eager step, measured, not guessed: at
-capture each bucket's replay is timed on the device, and eager forwards on the host of two tokens
-and of the smallest bucket that keeps a checkpoint (launch-bound: the floors of an eager step's wall
-time without and with in-chunk checkpoints); a step replays its rounds when their summed device time,
-times PART_COST_MARGIN, is below what its eager step would take: the floor, or its tokens at the
-best measured device cost per token when that is more (eager_estimate_s). Steps with fed-in tokens
+capture each bucket's replay is timed on the device, and eager forwards on the host of two tokens,
+of the smallest bucket that keeps a checkpoint and of the widest two-token bucket (launch-bound: the
+floors of an eager step's wall time without and with in-chunk checkpoints, and what each sequence
+adds to them); a step replays its rounds when their summed device time, times PART_COST_MARGIN, plus
+the decode graph's for decode rows beside them, is below what its eager step would take: the floor
+for its sequences (chunks and decode rows), or its tokens at the best measured device cost per token
+when that is more (eager_estimate_s). Steps with fed-in tokens
 stay eager. Off CUDA (tests) the same arena and rounds run eagerly, as DecodeGraphs does, and steps other
 than a lone short chunk replay only when a test sets `budget_s`.
 """
@@ -277,6 +279,7 @@ class PrefillGraphs:
         self.costs: dict[Bucket, float] = {}
         self.budget_s: float = 0.0
         self.budget_checkpoints_s: float = 0.0  # the eager floor of a step that keeps in-chunk checkpoints (0: budget_s)
+        self.seq_s: float = 0.0  # what each sequence after the first adds to an eager step's floor
         end = max(off + n for off, n in self.layout.values())
         self.arena: StepArena = StepArena(end, kv.k.device)
         self.graphs: dict[Bucket, torch.cuda.CUDAGraph | None] = {}
@@ -358,9 +361,11 @@ class PrefillGraphs:
 
     def measure(self, repeats: int = 3) -> None:
         """The cost model: each bucket's replay on the device (CUDA events, the best of `repeats`) and the
-        host time of eager forwards of the 2-token bucket's batch and of the smallest bucket's that keeps
-        a checkpoint (synchronized, the best of `repeats`: launches, not the GPU, set it). Replays and
-        forwards write only the scratch page and slot."""
+        host time of eager forwards of the 2-token bucket's batch, of the smallest bucket's that keeps
+        a checkpoint and of the widest 2-token bucket's (synchronized, the best of `repeats`: launches,
+        not the GPU, set them; the last gives `seq_s`, what a sequence adds to an eager step: on an H200
+        an eager step of 63 decode rows and one 128-token prompt took 53-62 ms, about twice the one-prompt
+        floor). Replays and forwards write only the scratch page and slot."""
         with torch.inference_mode():
             for bt in self.sizes:
                 best = math.inf
@@ -376,12 +381,17 @@ class PrefillGraphs:
             keeps = [bt for bt in self.sizes if bt[0] == 1 and self.room[bt]]
             if keeps:
                 self.budget_checkpoints_s = self._host_floor(self.batches[min(keeps)], repeats)
+            two = min(2, self.largest)
+            many = max(b for b, t in self.sizes if t == two)
+            if many > 1:
+                self.seq_s = max(0.0, (self._host_floor(self.batches[(many, two)], repeats) - floor) / (many - 1))
         self.budget_s = floor
         wide = max(self.sizes, key=lambda bt: (bt[0], bt[1]))
         log.info("prefill graphs: a replay takes %.2f ms (1 token) to %.2f ms (%d tokens; %d x %d: %.2f ms) on the "
-                 "device, an eager prefill step at least %.1f ms on the host (%.1f ms keeping checkpoints): steps "
-                 "replay parts below that", self.costs[(1, 1)] * 1e3, self.costs[(1, self.largest)] * 1e3,
-                 self.largest, *wide, self.costs[wide] * 1e3, floor * 1e3, self.budget_checkpoints_s * 1e3)
+                 "device, an eager prefill step at least %.1f ms on the host (%.1f ms keeping checkpoints; %.2f ms "
+                 "more a sequence): steps replay parts below that", self.costs[(1, 1)] * 1e3,
+                 self.costs[(1, self.largest)] * 1e3, self.largest, *wide, self.costs[wide] * 1e3, floor * 1e3,
+                 self.budget_checkpoints_s * 1e3, self.seq_s * 1e3)
 
     def _host_floor(self, batch: ForwardBatch, repeats: int) -> float:
         best = math.inf
@@ -408,13 +418,14 @@ class PrefillGraphs:
             self.pool = graph.pool()
         self.graphs[bt] = graph
 
-    def plan_chunks(self, chunks: list[Chunk]) -> StepParts | None:
+    def plan_chunks(self, chunks: list[Chunk], rows: int = 0, rows_s: float = 0.0) -> StepParts | None:
         """How a step of these prefill chunks replays, or None when it runs eagerly. A lone chunk of
         2 .. SHORT_CHUNK_TOKENS - 1 tokens without checkpoints always replays its binary digits; other
         steps replay unless a chunk has a fed-in token or a checkpoint the eager path would refuse (it
         says why), there are more than `max_chunks` chunks or more repeated buckets than the staging
-        field holds, or the rounds' measured device time (times PART_COST_MARGIN) exceeds what the eager
-        step would cost (`eager_estimate_s`).
+        field holds, or the rounds' measured device time (times PART_COST_MARGIN) plus `rows_s` exceeds
+        what the eager step would cost (`eager_estimate_s`). rows: decode rows beside the chunks, which
+        replay their decode graph (rows_s: its measured device time) or are sequences of the eager step.
         Decided from the plan alone, before any array is built."""
         if not self.graphs or not chunks or len(chunks) > self.max_chunks:
             return None
@@ -440,23 +451,24 @@ class PrefillGraphs:
             if r.bucket in seen:
                 staged += self.blocks[r.bucket][1]
             seen.add(r.bucket)
-        if staged > self.stage_room or cost * PART_COST_MARGIN > self.eager_estimate_s(chunks):
+        if staged > self.stage_room or cost * PART_COST_MARGIN + rows_s > self.eager_estimate_s(chunks, rows):
             return None
         return StepParts(plans, rounds)
 
-    def eager_estimate_s(self, chunks: list[Chunk]) -> float:
-        """What an eager step of these chunks costs at least: the host's launch floor (`budget_s`, or
-        `budget_checkpoints_s` when a chunk keeps in-chunk checkpoints: their copies are more launches),
-        or, when more, its tokens at the measured device cost per token of the most efficient bucket (an
-        eager step runs the same kernels, so a large step is device-bound, not host-bound). 0 before
-        anything is measured."""
+    def eager_estimate_s(self, chunks: list[Chunk], rows: int = 0) -> float:
+        """What an eager step of these chunks and `rows` decode rows costs at least: the host's launch
+        floor (`budget_s`, or `budget_checkpoints_s` when a chunk keeps in-chunk checkpoints: their copies
+        are more launches) plus `seq_s` for each sequence after the first, or, when more, its tokens at
+        the measured device cost per token of the most efficient bucket (an eager step runs the same
+        kernels, so a large step is device-bound, not host-bound). 0 before anything is measured."""
         if self.budget_s <= 0:
             return 0.0
         floor = self.budget_s
         if any(c.checkpoints for c in chunks):
             floor = max(floor, self.budget_checkpoints_s)
+        floor += self.seq_s * max(0, len(chunks) + rows - 1)
         per_token = min((c / (b * t) for (b, t), c in self.costs.items()), default=0.0)
-        return max(floor, per_token * sum(len(c.token_ids) for c in chunks))
+        return max(floor, per_token * (sum(len(c.token_ids) for c in chunks) + rows))
 
     def _round_fields(self, r: Round, chunks: list[StepInputs]) -> dict[str, np.ndarray]:
         """A round's varying fields: its parts' rows, then padding rows."""

@@ -211,6 +211,17 @@ def test_the_cost_model_and_its_limits_keep_steps_eager(monkeypatch):
     assert graphs.plan_chunks(chunks).parts == [[16, 4], [8, 4, 1]]
     graphs.budget_s = 4.5e-3  # the margin puts them above the eager step's floor: eager
     assert graphs.plan_chunks(chunks) is None
+    # every sequence after the first adds seq_s to the eager step: 1 ms puts the two chunks' at 5.5 ms
+    graphs.seq_s = 1e-3
+    assert graphs.eager_estimate_s(chunks) == pytest.approx(5.5e-3) and graphs.plan_chunks(chunks) is not None
+    graphs.seq_s = 0.25e-3  # 4.75 ms: eager again, unless decode rows beside them are the eager step's too
+    assert graphs.plan_chunks(chunks) is None
+    assert graphs.eager_estimate_s(chunks, rows=3) == pytest.approx(5.5e-3)
+    assert graphs.plan_chunks(chunks, rows=3).parts == [[16, 4], [8, 4, 1]]
+    # the rounds then pay for the rows' decode graph beside them: 4.8 + 1 ms against 5.5 ms
+    assert graphs.plan_chunks(chunks, rows=3, rows_s=1e-3) is None
+    assert graphs.plan_chunks(chunks, rows=3, rows_s=0.5e-3) is not None
+    graphs.seq_s = 0.0
     # a chunk keeping a checkpoint weighs against the (larger) floor of an eager step that keeps them
     kept = [Chunk(4, list(range(70)), 0, True, [[64, 3]])]  # rounds 64 + 4 + 2: 3 ms, 3.6 with the margin
     graphs.budget_s, graphs.budget_checkpoints_s = 3e-3, 4e-3
@@ -240,6 +251,22 @@ def test_the_cost_model_and_its_limits_keep_steps_eager(monkeypatch):
     results = [r.execute(d.plan(work, [0, 2])) for r, d in fresh]
     _same(results)
     assert results[1].graph == STEP_EAGER and calls == []
+    # through the runner: decode rows beside the chunks weigh in with their decode graph's measured cost
+    rows_pair = _pair(model)
+    runner = rows_pair[1][0]
+    graphs = runner.prefill_graphs
+    graphs.budget_s, graphs.seq_s = 4.5e-3, 0.25e-3  # 4.8 ms of rounds against 4.5 + 4 x 0.25 for 5 sequences
+    runner.graphs.costs[runner.graphs.bucket(3)] = 1e-3  # 5.8 ms with the rows' graph: eager
+    _same([r.execute(d.plan([(1, [3, 4]), (3, [5, 6]), (4, [7, 8])], [1, 3, 4])) for r, d in rows_pair])
+    results = [r.execute(d.plan([(1, [7]), (0, _prompt(20, 7)), (3, [9]), (2, _prompt(13, 3)), (4, [11])], [0, 2]))
+               for r, d in rows_pair]
+    _same(results)
+    assert results[1].graph == STEP_EAGER
+    runner.graphs.costs[runner.graphs.bucket(3)] = 0.5e-3  # 5.3 ms: the rounds and the rows' graph
+    results = [r.execute(d.plan([(1, [8]), (0, _prompt(20, 9)), (3, [10]), (2, _prompt(13, 5)), (4, [12])], []))
+               for r, d in rows_pair]
+    _same(results)
+    assert results[1].graph == STEP_MIXED_GRAPHS
 
 
 @pytest.mark.gpu
@@ -266,6 +293,8 @@ def test_cuda_steps_of_several_chunks_equal_the_eager_steps(dtype, monkeypatch):
     graphs = fast.prefill_graphs
     assert sorted(graphs.costs) == sorted(graphs.sizes) and all(c > 0 for c in graphs.costs.values())
     assert graphs.budget_s > 0
+    decode = fast.graphs  # the decode rows' side of a mixed step: every bucket's replay measured too
+    assert sorted(decode.costs) == sorted(decode.graphs) and all(c > 0 for c in decode.costs.values())
     graphs.budget_s = 1.0  # this test checks the replays, not the host's launch speed
     plans = [([(0, _prompt(140, 7)), (2, _prompt(140, 3))], [0, 2], {0: [[64, 3], [128, 5]]}),
              ([(0, [7]), (4, _prompt(9, 5)), (2, [8]), (1, _prompt(13, 11))], [4, 1], None),
