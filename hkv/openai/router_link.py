@@ -90,7 +90,10 @@ class EngineProgress:
     Stalled: the router has not reported for stall_s + ENGINE_HEARTBEAT_S (it
     reports at least every ENGINE_HEARTBEAT_S, even mid-step), or work is
     pending and its finished-step count has not moved for stall_s (counted
-    from when the work arrived, if the engine was idle before).
+    from when the work arrived, if the engine was idle before). New tokens
+    count as a report of a step that moved (on_tokens): the router publishes
+    its state on a change of its queues or once a second, so a stream could
+    otherwise end, after the engine resumed, before /ready knew it had.
     """
 
     def __init__(self, stall_s: float, clock: Callable[[], float] = time.monotonic):
@@ -107,6 +110,11 @@ class EngineProgress:
         if state.steps != self._steps or (pending and not self._pending):
             self._moved_at = now
         self._steps, self._pending, self._heard_at = state.steps, pending, now
+
+    def on_tokens(self) -> None:
+        """The router sent sequences new tokens: a step finished, and the router is there."""
+        if self._heard_at is not None:
+            self._moved_at = self._heard_at = self._clock()
 
     def stalled(self) -> str | None:
         """Why the engine counts as stalled now, or None."""
@@ -261,6 +269,8 @@ class RouterLink:
                 if answer is not None and not answer.done():
                     answer.set_result(msg)
             else:
+                if any(delta.token_ids for delta in msg.deltas):
+                    self.progress.on_tokens()
                 for delta in msg.deltas:
                     self._route(delta)
 

@@ -60,3 +60,19 @@ def test_a_silent_router_stalls_even_when_idle():
     assert p.stalled() is None
     clock.now += 0.02
     assert p.stalled().startswith("the router has not reported for")
+
+
+def test_new_tokens_are_a_step_that_moved():
+    """A stream can end right after a stalled engine resumes, before the router's next report: the
+    tokens it got say the engine moves (the stopped-rank test saw /ready 503 after its [DONE])."""
+    clock = Clock()
+    p = EngineProgress(2.0, clock)
+    p.on_tokens()  # before the first report: nothing to judge yet
+    assert p.stalled() is None
+    p.on_state(_state(10, running=1))
+    clock.now += 2.5
+    assert p.stalled() == "no step finished for 2.5 s with work pending"
+    p.on_tokens()
+    assert p.stalled() is None
+    clock.now += 2.0 + ENGINE_HEARTBEAT_S + 0.1  # tokens stopped too, and no report: stalled again
+    assert p.stalled().startswith("the router has not reported for")
