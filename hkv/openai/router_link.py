@@ -112,9 +112,10 @@ class EngineProgress:
         self._steps, self._pending, self._heard_at = state.steps, pending, now
 
     def on_tokens(self) -> None:
-        """The router sent sequences new tokens: a step finished, and the router is there."""
+        """The router sent sequences new tokens: a step finished (its reports are still owed: a router
+        whose state reports stop counts as silent however many tokens it sends)."""
         if self._heard_at is not None:
-            self._moved_at = self._heard_at = self._clock()
+            self._moved_at = self._clock()
 
     def stalled(self) -> str | None:
         """Why the engine counts as stalled now, or None."""
