@@ -91,7 +91,7 @@ class EngineProgress:
     reports at least every ENGINE_HEARTBEAT_S, even mid-step), or work is
     pending and its finished-step count has not moved for stall_s (counted
     from when the work arrived, if the engine was idle before). New tokens
-    count as a report of a step that moved (on_tokens): the router publishes
+    show that a step finished (on_tokens; not a state report): the router publishes
     its state on a change of its queues or once a second, so a stream could
     otherwise end, after the engine resumed, before /ready knew it had.
     """
