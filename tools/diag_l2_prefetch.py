@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tools.bench_decode import copy_bandwidth
+
 
 @triton.jit
 def _bulk_prefetch(ptr, nbytes, CHUNK: tl.constexpr):
@@ -78,7 +80,7 @@ def main() -> None:
     layers = [dict(w_in=rnd(in_n, hidden), w_o=rnd(hidden, o_k), w_gu=rnd(2 * inter, hidden),
                    w_d=rnd(hidden, inter)) for _ in range(args.layers)]
     gib = sum(t.numel() * 2 for lay in layers for t in lay.values()) / 2**30
-    bw_copy = measure_copy(dev)
+    bw_copy = copy_bandwidth()
     print(f"weights {gib:.2f} GiB over {args.layers} layers; copy bandwidth {bw_copy / 1e12:.2f} TB/s")
     dummy = torch.zeros(1 << 20, device=dev, dtype=torch.float32)
     side = torch.cuda.Stream(device=dev)
@@ -158,23 +160,6 @@ def main() -> None:
             if b_ == batch:
                 print(f"  B{batch:<3} {v:<14} {med:7.3f} ms  x{base / med:5.3f} of base  "
                       f"{roof / med * 100:5.1f}% of copy bw  rel err {err:.1e}")
-
-
-def measure_copy(dev: torch.device) -> float:
-    src = torch.empty(1 << 30, device=dev, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() / statistics.median(times)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,19 @@ def buckets_up_to(max_bs: int) -> list[int]:
     return out + [max_bs]
 
 
+def replay_seconds(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
+    """A captured graph's replay time on the device: CUDA events, the best of `repeats`."""
+    best = float("inf")
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, begin.elapsed_time(end) / 1e3)
+    return best
+
+
 class DecodeGraphs:
     """Captured decode forwards by bucket, their static batches and the fixed-layout arena."""
 
@@ -84,20 +97,11 @@ class DecodeGraphs:
         return time.perf_counter() - started
 
     def measure(self, repeats: int = 3) -> None:
-        """Each bucket's replay on the device (CUDA events, the best of `repeats`): what decode rows
-        add to a step whose prefill chunks replay beside them (PrefillGraphs.plan_chunks). The
-        replays run the padding batch, which writes only the scratch page and slot."""
+        """Each bucket's replay on the device (`replay_seconds`): what decode rows add to a step whose
+        prefill chunks replay beside them (PrefillGraphs.plan_chunks). The replays run the padding
+        batch, which writes only the scratch page and slot."""
         with torch.inference_mode():
-            for b, graph in self.graphs.items():
-                best = float("inf")
-                for _ in range(repeats):
-                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    begin.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    best = min(best, begin.elapsed_time(end) / 1e3)
-                self.costs[b] = best
+            self.costs = {b: replay_seconds(graph, repeats) for b, graph in self.graphs.items()}
 
     def _padded(self, inputs: StepInputs | None, b: int) -> dict[str, np.ndarray]:
         """The arena arrays of a decode batch padded to bucket b (inputs None: all padding)."""

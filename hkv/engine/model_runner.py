@@ -427,9 +427,10 @@ class ModelRunner:
             return None
         prefill = [i for i, c in enumerate(chunks) if len(c.token_ids) != 1 or not c.sample]
         rows = len(chunks) - len(prefill)
-        if not prefill or rows and (self.graphs is None or self.graphs.bucket(rows) is None):
+        bucket = self.graphs.bucket(rows) if rows and self.graphs is not None else None
+        if not prefill or rows and bucket is None:
             return None
-        rows_s = self.graphs.costs.get(self.graphs.bucket(rows), 0.0) if rows else 0.0
+        rows_s = self.graphs.costs.get(bucket, 0.0) if rows else 0.0
         plan = graphs.plan_chunks([chunks[i] for i in prefill], rows=rows, rows_s=rows_s)
         if plan is None:
             return None

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hkv.engine.cuda_graphs import replay_seconds
 from hkv.engine.step_inputs import DevicePageTable, StepInputs, checkpoints_of
 from hkv.ipc.messages import Chunk
 from hkv.models.batch import ForwardBatch
@@ -367,16 +368,7 @@ class PrefillGraphs:
         an eager step of 63 decode rows and one 128-token prompt took 53-62 ms, about twice the one-prompt
         floor). Replays and forwards write only the scratch page and slot."""
         with torch.inference_mode():
-            for bt in self.sizes:
-                best = math.inf
-                for _ in range(repeats):
-                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    begin.record()
-                    self.graphs[bt].replay()
-                    end.record()
-                    end.synchronize()
-                    best = min(best, begin.elapsed_time(end) / 1e3)
-                self.costs[bt] = best
+            self.costs = {bt: replay_seconds(self.graphs[bt], repeats) for bt in self.sizes}
             floor = self._host_floor(self.batches[(1, min(2, self.largest))], repeats)
             keeps = [bt for bt in self.sizes if bt[0] == 1 and self.room[bt]]
             if keeps:
