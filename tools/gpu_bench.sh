@@ -5,7 +5,8 @@
 #        pd-bench,pd2 (two GPUs),decode,sweep,ab (this tree against BASE_TREE: `git archive` of an earlier commit),
 #        wave (the shared-prefix wave three times on both trees, request times logged), steps (the wave's prefill
 #        steps in-process), rate (shared-prefix waves, steady, and the default workload at each of RATES requests/s,
-#        default RATE or 16, with and without the prefix cache; RATE_SERVERS picks them), l2 (tools.diag_l2_prefetch);
+#        default RATE or 16, with and without the prefix cache; RATE_SERVERS picks them), l2 (tools.diag_l2_prefetch),
+#        pdl (tools.diag_pdl_chain --sweep);
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
@@ -86,7 +87,7 @@ if wants launch || wants launch-only; then
                          tests/engine/test_prefill_graphs.py tests/engine/test_prefill_graph_steps.py)
   say "CUDA launch test (graphs, planning ahead, fp32 parity and bf16 logprobs against transformers); fla's in-chunk states; short-prefill graphs against eager steps"
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
-    2>&1 | grep -v "weights:" | tail -6 | tee -a "$LOG"
+    2>&1 | grep -v "weights:" | tee "$OUT/launch.log" | tail -6 | tee -a "$LOG"
 fi
 { wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench || wants pd2 || wants ab || wants wave || wants rate; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
@@ -294,6 +295,10 @@ fi
 if wants l2; then
   say "L2 prefetch of the next GEMM's weights on a side stream (synthetic decode step)"
   timeout 240 python3 -m tools.diag_l2_prefetch 2>&1 | grep -v Warning | tee -a "$LOG"
+fi
+if wants pdl; then
+  say "programmatic dependent launch over our own GEMMs (synthetic decode step)"
+  timeout 360 python3 -m tools.diag_pdl_chain --sweep 2>&1 | grep -v Warning | tee -a "$LOG"
 fi
 if wants decode; then
   say "in-process decode step"
