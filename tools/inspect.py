@@ -104,7 +104,7 @@ def _read_stats(name: str) -> dict[str, Any]:
     if page_size:
         radix["cached_tokens"] = radix["cached_pages"] * page_size
     steps = {k: values[k] for k in ("steps", "step_wall_s", "forward_s", "prefill_tokens", "decode_tokens",
-                                    "preemptions", "waiting", "running", "flushes")}
+                                    "preemptions", "prefix_waits", "waiting", "running", "flushes")}
     steps["graph_steps"] = {kind: int(values[f"graph_steps_{kind}"]) for kind in stats.GRAPH_KINDS}
     gpu = {"cached_tokens_served": int(values["cached_tokens_gpu"])}
     if page_size:

@@ -414,6 +414,7 @@ class Router:
         sched, coord, tree = self.scheduler, self.coord, self.coord.tree
         gauges = {
             "preemptions": sched.preemptions,
+            "prefix_waits": sched.prefix_waits,
             "waiting": len(sched.waiting),
             "running": len(sched.running),
             "page_size": coord.spec.page_size,

@@ -29,6 +29,14 @@ interval 256:
 
     tokens  [0 ...... 32)[32 ... 48)[48 ... 64) ... [208 .. 224)[224 .. 236)
     ckpts             ^ kept      ^ rolling -> ^ ... ----------> ^ left on finish
+
+A waiting sequence whose prompt shares a cacheable prefix (at least
+`prefix_wait_min` tokens more than the cache has) with a prompt that a running
+sequence is still prefilling waits for that prefix to be published,
+rather than compute it again beside it (`_waits_for_prefix`): a burst of
+requests for one long system prompt or document that reach the router in the
+same tick costs one prefill of the prefix, and the others start from the hit
+one step later. Other waiting sequences pass the held ones.
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ from hkv.ipc.request_table import RequestTable
 
 __all__ = ["Scheduler", "SchedulerLimits", "Sequence"]
 
+PREFIX_WAIT_SCAN = 256  # waiting sequences held for a prefix in one step, past which the step admits no more
+
 
 class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
     """Owns waiting and running sequences and their request-table rows."""
@@ -69,6 +79,7 @@ class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
         self.slots: SlotBook = SlotBook(table, min(limits.max_running, table.layout.slots))
         self.by_slot: dict[int, Sequence] = {}
         self.preemptions = 0  # sequences preempted for pages, ever
+        self.prefix_waits = 0  # sequences held for a prefix another was prefilling, ever (once each)
         self.spec_verified = 0  # draft tokens verified, ever (speculative decoding)
         self.spec_accepted = 0  # ... of them accepted
         self.spec_histogram = [0] * (limits.spec_tokens + 1)  # verify chunks by drafts accepted
@@ -174,6 +185,8 @@ class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
         budget = self.limits.token_budget
         chunks: list[Chunk] = []
         new: list[NewSequence] = []
+        feeders = self._prefix_feeders()  # before their chunks move kv_len on
+        held: set[int] = set()
         for seq in list(self.running.values()):
             if seq.req_id not in self.running or budget <= 0 or seq.arriving is not None:
                 continue
@@ -185,7 +198,7 @@ class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
                 chunks.append(chunk)
                 budget -= len(chunk.token_ids)
         while self.free_slots and budget > 0:
-            seq = self._next_ready()
+            seq = self._next_ready(feeders, held)
             if seq is None:
                 break
             chunk = self._admit(seq, budget)
@@ -198,6 +211,8 @@ class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
             new.append(NewSequence(seq.slot, seq.req_id, seq.sampling, seq.state_slot))
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
+            if feeders is not None and chunk.start_pos < len(seq.prompt_ids):
+                feeders.append((seq, chunk.start_pos))  # those behind it may wait for its prompt
         if not chunks:
             self._reject_unfittable()
             if not self._ops and not self._pair_poll_due():  # (a copies-only plan asks about transfers)
@@ -217,9 +232,78 @@ class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
         self._pair_plan_built()
         return plan
 
-    def _next_ready(self) -> Sequence | None:
-        """The first waiting sequence not waiting for its tier lookup."""
-        return next((seq for seq in self.waiting if not seq.lookup_pending), None)
+    def _next_ready(self, feeders: list[tuple[Sequence, int]] | None = None,
+                    held: set[int] | None = None) -> Sequence | None:
+        """The first waiting sequence not waiting for its tier lookup, nor (given the step's
+        `feeders`) for a prefix another sequence is prefilling. `held` collects this step's held
+        req_ids, so a scan skips them without asking again; past PREFIX_WAIT_SCAN of them nothing
+        more is admitted this step (a burst of thousands costs a bounded scan)."""
+        for seq in self.waiting:
+            if seq.lookup_pending:
+                continue
+            if feeders and held is not None:
+                if seq.req_id in held:
+                    continue
+                if self._waits_for_prefix(seq, feeders):
+                    held.add(seq.req_id)
+                    if len(held) >= PREFIX_WAIT_SCAN:
+                        return None
+                    continue
+            return seq
+        return None
+
+    def _prefix_feeders(self) -> list[tuple[Sequence, int]] | None:
+        """Running sequences still prefilling their prompt, each with what it has published
+        (its kv_len: `_publish_sent` has just published every sent chunk); None with the
+        prefix cache off (nothing to wait for)."""
+        if not self.coord.spec.prefix_cache:
+            return None
+        return [(seq, seq.kv_len) for seq in self.running.values()
+                if seq.arriving is None and seq.kv_len < len(seq.prompt_ids)]
+
+    def _waits_for_prefix(self, seq: Sequence, feeders: list[tuple[Sequence, int]]) -> bool:
+        """Whether `seq` should stay waiting: a feeder is prefilling a prompt that shares a prefix
+        with it, up to a boundary the cache will serve (a page; on a hybrid model a checkpoint
+        interval or that prompt's last page) that the feeder has not published yet and that is
+        at least limits.prefix_wait_min tokens longer than what the cache serves `seq` now.
+        Counted once per sequence in prefix_waits.
+
+        Not held: a sequence with a tier run or a prefill peer (its prefix comes from there) and
+        a preempted one (its own prefix is published). The hold ends when the feeder publishes
+        past the boundary, leaves (finished, aborted) or is preempted, whatever the hit is then."""
+        if seq.tier is not None or seq.peer is not None or seq.peer_device is not None or seq.output_ids:
+            return False
+        if len(seq.shared_with) > 2 * len(feeders):  # forget feeders that have left
+            seq.shared_with = {r: n for r, n in seq.shared_with.items() if r in self.running}
+        best = 0
+        for feeder, published in feeders:
+            if feeder is seq:
+                continue
+            shared = seq.shared_with.get(feeder.req_id)
+            if shared is None:
+                shared = seq.shared_with[feeder.req_id] = _common_prefix(
+                    seq.prompt_ids, feeder.prompt_ids, min(len(seq.prompt_ids) - 1, len(feeder.prompt_ids)))
+            boundary = self._served_boundary(shared, len(feeder.prompt_ids))
+            if boundary > published:
+                best = max(best, boundary)
+        if best < self.limits.prefix_wait_min or best - self.coord.peek(seq.prompt_ids) < self.limits.prefix_wait_min:
+            return False
+        if not seq.prefix_waited:
+            seq.prefix_waited = True
+            self.prefix_waits += 1
+        return True
+
+    def _served_boundary(self, shared: int, feeder_prompt: int) -> int:
+        """The longest hit a prompt sharing `shared` tokens with a feeder's prompt of `feeder_prompt`
+        tokens gets once the feeder published them: a page boundary (dense); an interval multiple,
+        or the feeder prompt's last page boundary where the shared part reaches it (hybrid)."""
+        ps = self.limits.page_size
+        if not self.limits.hybrid:
+            return shared // ps * ps
+        interval = self.limits.checkpoint_interval
+        boundary = shared // interval * interval if interval else 0
+        last_page = feeder_prompt // ps * ps
+        return max(boundary, last_page) if last_page <= shared else boundary
 
     def _chunk_end(self, seq: Sequence, start: int, budget: int) -> tuple[int, tuple[int, ...]]:
         """Where a chunk starting at `start` ends, and the checkpoint depths the forward keeps inside it.
@@ -539,6 +623,20 @@ class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
             self.slots.release(seq.slot)  # at once, or when the sent plans using it are done
             seq.slot = None
         self.running.pop(seq.req_id, None)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of a and b, at most `limit`: slices compared in doubling
+    strides (C-speed compares, O(shared) in all), the last one element by element."""
+    i, stride = 0, 64
+    while i < limit:
+        j = min(limit, i + stride)
+        if a[i:j] != b[i:j]:
+            while a[i] == b[i]:
+                i += 1
+            return i
+        i, stride = j, min(stride * 2, 8192)
+    return max(limit, 0)
 
 
 def _tiers_of(seq: Sequence) -> dict[str, int]:

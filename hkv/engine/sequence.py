@@ -21,6 +21,9 @@ class SchedulerLimits:
     chunk_align: int = GDN_CHUNK  # hybrid: in-chunk checkpoints fall on multiples of this from the chunk's start
     tier_checkpoint_interval: int | None = None  # hybrid with tiers: interior prefixes copied out on multiples of this
     spec_tokens: int = 0  # speculative decoding: drafts verified per decode step at most (0 = off)
+    # a waiting prompt waits for a prefix another is prefilling when that adds at least this many cached tokens
+    # (a shorter share, a chat template's first page say, is not worth a step of its time to first token)
+    prefix_wait_min: int = 256
 
 
 @dataclass
@@ -52,6 +55,8 @@ class Sequence:
     arrive_by: float = 0.0  # ... the client gets an error past this (monotonic; --pd-timeout)
     announced: bool = True  # the ranks know it (NewSequence sent); an arriving one is announced with its chunk
     doomed: bool = False  # answered (aborted, timed out) while arriving: it leaves once the transfer ended
+    shared_with: dict[int, int] = field(default_factory=dict)  # prefilling req_id -> common prompt prefix (waiting)
+    prefix_waited: bool = False  # it has waited for another's prefix (counted once in prefix_waits)
 
     @property
     def total_len(self) -> int:

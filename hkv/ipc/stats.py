@@ -14,7 +14,7 @@ from hkv.engine.validate import MAX_SPEC_TOKENS
 
 REGION = "router_stats"
 GRAPH_KINDS = ("decode", "short_prefill", "verify", "mixed")  # StepResult.graph 1 to 4 (hkv.ipc.messages.STEP_*)
-VERSION = 8  # 5: cached_tokens_peer; 6: graph_steps_*; 7: pd_pair_*; 8: graph_steps_mixed
+VERSION = 9  # 5: cached_tokens_peer; 6: graph_steps_*; 7: pd_pair_*; 8: graph_steps_mixed; 9: prefix_waits
 
 FIELDS = (
     "steps",  # steps run
@@ -61,6 +61,7 @@ FIELDS = (
     "spec_accepted",  # counter: ... of them accepted
     # counters: verify steps of one sequence that accepted i drafts, i = 0..MAX_SPEC_TOKENS
     *(f"spec_accepted_{i}" for i in range(MAX_SPEC_TOKENS + 1)),
+    "prefix_waits",  # counter: requests that waited for a prefix another request was prefilling (once each)
 )
 NBYTES = len(FIELDS) * 8
 

@@ -40,6 +40,7 @@ class _EngineStatsCollector:
         ("hkv_engine_forward_seconds", "Seconds ranks spent in the model forward", "forward_s"),
         ("hkv_engine_prefill_tokens", "Prompt (and recomputed) tokens run", "prefill_tokens"),
         ("hkv_engine_preemptions", "Sequences preempted for pages", "preemptions"),
+        ("hkv_engine_prefix_waits", "Requests that waited for a prefix another request was prefilling", "prefix_waits"),
         ("hkv_cache_flushes", "Cache flushes", "flushes"),
     )
 

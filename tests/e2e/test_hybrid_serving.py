@@ -1,13 +1,16 @@
 """The built-in hybrids (Gated DeltaNet + gated attention) served end to end equal
 transformers' Qwen3_5ForCausalLM on the same checkpoint (greedy, margin-aware): the
-default, trained tiny-hybrid and the random tiny-hybrid-random; and a long decode
-leaves its checkpoints sparse."""
+default, trained tiny-hybrid and the random tiny-hybrid-random; a long decode
+leaves its checkpoints sparse; and a burst of requests for one prefix prefills it once."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import re
 import signal
+import urllib.request
 
 import aiohttp
 import pytest
@@ -79,3 +82,50 @@ def test_a_long_decode_leaves_one_checkpoint_besides_the_prompts(tmp_path):
     assert depths == [32, computed // page * page]  # the prompt's last page boundary and the finish's
     # the next turn hits the finish's checkpoint: multi-turn reuse is unchanged
     assert turn["usage"]["prompt_tokens_details"]["cached_tokens"] == computed // page * page
+
+
+def test_a_burst_for_one_prefix_prefills_it_once(tmp_path, builtin_dir):
+    """Four requests of one 512-token prefix reach the router in the same step (its rank stopped
+    meanwhile), with a budget that would admit them all: one prefills the prefix, the other three
+    wait a step and start from its checkpoint at 512, and every output equals transformers'."""
+    from transformers import Qwen3_5ForCausalLM
+
+    reference = Qwen3_5ForCausalLM.from_pretrained(builtin_folder("tiny-hybrid", builtin_dir),
+                                                   dtype=torch.float32).eval()
+    server = launch(["--chunked-prefill-size", "4096"], tmp_path)
+    pids = server.actor_pids()
+    rank = server.actor_pid("hkv.actors.rank")
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 1536) for _ in range(512)]
+    prompts = [shared + [rng.randrange(3, 1536) for _ in range(16)] for _ in range(4)]
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            async def one(body):
+                async with session.post(server.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
+            # a decoding request keeps steps in flight; while the rank is stopped the burst queues up
+            blocker = asyncio.ensure_future(one(_body([5, 6, 7], max_tokens=400)))
+            await asyncio.sleep(0.3)
+            os.kill(rank, signal.SIGSTOP)
+            try:
+                burst = [asyncio.ensure_future(one(_body(p, max_tokens=8))) for p in prompts]
+                await asyncio.sleep(1.0)  # well under --stall-timeout (10 s)
+            finally:
+                os.kill(rank, signal.SIGCONT)
+            return await asyncio.gather(*burst), await blocker
+
+    try:
+        answers, blocker = asyncio.run(run())
+        metrics = urllib.request.urlopen(server.url + "/metrics").read().decode()
+    finally:
+        assert server.stop(signal.SIGTERM) == 0, server.log()
+    assert_clean(server, pids)
+    assert len(blocker["choices"][0]["token_ids"]) == 400
+    cached = sorted(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+    assert cached == [0, 512, 512, 512]
+    assert re.search(r"^hkv_engine_prefix_waits_total 3\.0$", metrics, re.M), \
+        [line for line in metrics.splitlines() if "prefix_waits" in line]
+    for prompt, answer in zip(prompts, answers):
+        assert_greedy_parity(reference, prompt, answer["choices"][0]["token_ids"])

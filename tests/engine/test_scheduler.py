@@ -16,11 +16,11 @@ EOS = 99
 
 
 def make(num_pages=16, page_size=4, max_running=4, budget=8, max_context=256, prefix_cache=False,
-         hybrid=False, interval=None, state_slots=0, align=64, max_pages=64, spec_tokens=0):
+         hybrid=False, interval=None, state_slots=0, align=64, max_pages=64, spec_tokens=0, prefix_wait_min=256):
     layout = TableLayout(slots=max_running, max_pages=max_pages)
     table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
     limits = SchedulerLimits(page_size, max_running, budget, max_context, frozenset({EOS}), hybrid, interval, align,
-                             spec_tokens=spec_tokens)
+                             spec_tokens=spec_tokens, prefix_wait_min=prefix_wait_min)
     spec = CacheSpec(page_size, num_pages, state_slots, 0, hybrid, interval, prefix_cache)
     return Scheduler(limits, CacheCoordinator(spec), table)
 
@@ -494,3 +494,126 @@ def test_a_cpu_tier_hit_becomes_a_device_prefix_with_its_checkpoint():
     assert chunk.start_pos == 128  # a device hit at the promoted checkpoint
     assert not any(isinstance(op, (LoadPages, LoadState)) for op in plan.ops)
     assert any(isinstance(op, RestoreCheckpoint) and op.length == 128 for op in plan.ops)
+
+
+# --- waiting for a prefix another request is prefilling (Scheduler._waits_for_prefix) ---
+
+
+def shared_req(req_id, shared, own, max_tokens=2):
+    """A prompt of `shared` common tokens (1, 2, ...) then `own` tokens of its own."""
+    own_ids = [1000 * req_id + i for i in range(own)]
+    return GenerateRequest(req_id, list(range(1, shared + 1)) + own_ids, SamplingParams(max_tokens=max_tokens))
+
+
+def starts(plan):
+    return {c.slot: c.start_pos for c in plan.chunks}
+
+
+def test_a_burst_sharing_a_prefix_prefills_it_once():
+    sched = make(prefix_cache=True, budget=256, num_pages=64, page_size=4, prefix_wait_min=8)
+    for r in (1, 2, 3):
+        sched.add(shared_req(r, 32, 4))
+    plan, _ = step(sched)
+    assert [(c.start_pos, len(c.token_ids)) for c in plan.chunks] == [(0, 36)]  # the other two wait for it
+    assert [s.req_id for s in sched.waiting] == [2, 3] and sched.prefix_waits == 2
+    plan, _ = step(sched)
+    prefills = [c for c in plan.chunks if not c.follows and c.start_pos != 36]
+    assert [(c.start_pos, len(c.token_ids)) for c in prefills] == [(32, 4), (32, 4)]  # from the hit
+    assert {r: sched.running[r].cached_tokens for r in (2, 3)} == {2: 32, 3: 32}
+    run_to_end(sched)
+    assert sched.prefix_waits == 2  # once each
+    sched.coord.check_integrity()
+
+
+def test_without_the_wait_a_burst_computes_the_prefix_beside_itself():
+    """The threshold is what turns it off: a share below prefix_wait_min never waits."""
+    sched = make(prefix_cache=True, budget=256, num_pages=64, page_size=4, prefix_wait_min=64)
+    for r in (1, 2, 3):
+        sched.add(shared_req(r, 32, 4))
+    plan, _ = step(sched)
+    assert sorted(c.start_pos for c in plan.chunks) == [0, 0, 0] and sched.prefix_waits == 0
+
+
+def test_no_prefix_cache_never_waits():
+    sched = make(prefix_cache=False, budget=256, num_pages=64, page_size=4, prefix_wait_min=8)
+    for r in (1, 2):
+        sched.add(shared_req(r, 32, 4))
+    plan, _ = step(sched)
+    assert len(plan.chunks) == 2 and sched.prefix_waits == 0
+
+
+def test_a_request_sharing_nothing_passes_a_held_one():
+    sched = make(prefix_cache=True, budget=256, num_pages=64, page_size=4, prefix_wait_min=8)
+    sched.add(shared_req(1, 32, 4))
+    sched.add(shared_req(2, 32, 4))
+    sched.add(GenerateRequest(3, [500 + i for i in range(20)], SamplingParams(max_tokens=2)))
+    plan, _ = step(sched)
+    assert sorted(n.req_id for n in plan.new) == [1, 3] and [s.req_id for s in sched.waiting] == [2]
+    run_to_end(sched)
+
+
+def test_a_held_request_starts_once_the_prefix_is_published():
+    """The budget would take both in one step; the waiter shares 48 tokens and starts there a step later."""
+    sched = make(prefix_cache=True, budget=72, num_pages=64, page_size=4, prefix_wait_min=8, max_pages=32)
+    sched.add(shared_req(1, 64, 0))
+    sched.add(shared_req(2, 48, 8))
+    plan, _ = step(sched)
+    assert [n.req_id for n in plan.new] == [1]
+    plan, _ = step(sched)
+    assert [n.req_id for n in plan.new] == [2] and sched.running[2].cached_tokens == 48
+    run_to_end(sched)
+
+
+def test_a_feeder_that_needs_several_steps_is_waited_for_to_the_shared_boundary():
+    sched = make(prefix_cache=True, budget=20, num_pages=64, page_size=4, prefix_wait_min=8, max_pages=32)
+    sched.add(shared_req(1, 64, 0))
+    sched.add(shared_req(2, 48, 8))
+    first = {}
+    for _ in range(8):
+        plan, _ = step(sched)
+        first.update({n.req_id: sched.by_slot[n.slot].cached_tokens for n in plan.new if n.slot in sched.by_slot})
+        if len(first) == 2:
+            break
+    assert first == {1: 0, 2: 48}
+    run_to_end(sched)
+
+
+def test_the_wait_ends_when_the_feeder_is_aborted():
+    """Mid-prompt (40 of 64 tokens published, short of the 48 shared) the feeder leaves: the waiter
+    starts next step from what was published, where it would otherwise wait on."""
+    sched = make(prefix_cache=True, budget=40, num_pages=64, page_size=4, prefix_wait_min=8, max_pages=32)
+    sched.add(shared_req(1, 64, 0))
+    sched.add(shared_req(2, 48, 8))
+    step(sched)
+    sched.abort(1)
+    plan, _ = step(sched)
+    assert [n.req_id for n in plan.new] == [2] and sched.running[2].cached_tokens == 40
+    run_to_end(sched)
+    sched.coord.check_integrity()
+
+
+def test_a_hybrid_burst_waits_for_the_interval_checkpoint():
+    """Hybrid: the hit a waiter can get is an interval multiple (or the feeder prompt's last page)."""
+    sched = make(prefix_cache=True, budget=1024, num_pages=128, page_size=16, max_pages=32, hybrid=True,
+                 interval=64, align=64, state_slots=32, prefix_wait_min=64)
+    sched.add(shared_req(1, 150, 50))
+    sched.add(shared_req(2, 150, 20))
+    plan, _ = step(sched)
+    assert [n.req_id for n in plan.new] == [1] and sched.prefix_waits == 1
+    plan, _ = step(sched)
+    assert sched.running[2].cached_tokens == 128  # 150 shared: the checkpoint at 128
+    run_to_end(sched)
+    sched.coord.check_integrity()
+
+
+def test_a_next_turn_waits_for_the_whole_previous_prompt():
+    """A prompt that extends another's whole prompt waits for its last page boundary's checkpoint."""
+    sched = make(prefix_cache=True, budget=1024, num_pages=128, page_size=16, max_pages=32, hybrid=True,
+                 interval=256, align=64, state_slots=32, prefix_wait_min=64)
+    sched.add(shared_req(1, 200, 0))
+    sched.add(shared_req(2, 200, 30))
+    step(sched)
+    assert sched.prefix_waits == 1
+    step(sched)
+    assert sched.running[2].cached_tokens == 192  # the feeder's prompt's last page boundary
+    run_to_end(sched)
