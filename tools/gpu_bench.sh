@@ -6,7 +6,8 @@
 #        wave (the shared-prefix wave three times on both trees, request times logged), steps (the wave's prefill
 #        steps in-process), rate (shared-prefix waves, steady, and the default workload at each of RATES requests/s,
 #        default RATE or 16, with and without the prefix cache; RATE_SERVERS picks them), l2 (tools.diag_l2_prefetch),
-#        pdl (tools.diag_pdl_chain --sweep);
+#        pdl (tools.diag_pdl_chain --sweep), burst (tools.bench_burst: the wave in one router step, this tree
+#        and BASE_TREE's);
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
@@ -89,7 +90,7 @@ if wants launch || wants launch-only; then
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 "${tests[@]}" \
     2>&1 | grep -v "weights:" | tee "$OUT/launch.log" | tail -6 | tee -a "$LOG"
 fi
-{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench || wants pd2 || wants ab || wants wave || wants rate; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
+{ wants i11 || wants prefix || wants i12 || wants i13 || wants spec-bench || wants pd-bench || wants pd2 || wants ab || wants wave || wants rate || wants burst; } && [[ ! -d $MODEL ]] && timeout 120 python3 -m tools.make_bench_model "$MODEL" 2>&1 | tail -3 | tee -a "$LOG"
 wants i11 && parts+=,prefix  # i11 includes the shared-prefix workloads; "prefix" alone runs only those
 if wants i11 || wants i12 || wants prefix; then
   say "server: default flags, 64 running, 0.8 of the GPU (HF's baseline shares it)"
@@ -261,6 +262,18 @@ if wants wave; then  # the shared-prefix wave (cold cache each run), repeated, o
     }
   done
   merge wave
+fi
+if wants burst; then  # the wave landing in one router step (tools/bench_burst.py), on this tree and BASE_TREE's
+  for tree in new base; do
+    [[ $tree == base && ! -d ${BASE_TREE:-} ]] && continue
+    root=.; [[ $tree == base ]] && root=$BASE_TREE
+    say "server $tree ($root): a burst of $WAVE requests in one step"
+    ROOT=$root start "s_burst_$tree" --max-running-requests 64 "${MEM[@]}" && {
+      timeout 300 python3 -m tools.bench_burst --url "http://127.0.0.1:$PORT" --name "s_burst_$tree" --requests "$WAVE" \
+        --shared "$SYS" --own "$QL" --vocab "$VOCAB" --rounds 3 --json "$OUT/burst_$tree.json" 2>&1 | tee -a "$LOG"
+      stop
+    }
+  done
 fi
 if wants steps; then  # the wave's prefill steps in-process: the prefill graphs' rounds, forced and as picked, against eager
   say "in-process prefill steps (tools/bench_prefill.py)"

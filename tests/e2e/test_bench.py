@@ -70,3 +70,26 @@ def test_small_run_reports_every_metric(tmp_path):
     assert server["generation_tokens"] == REQUESTS * OUTPUT_LEN
     assert server["cache_hit_tokens"]["gpu"] == cache["per_tier"]["gpu"]["tokens"]
     assert report["speculative"] is None and report["baseline"] is None
+
+
+def test_bench_burst_lands_its_burst_in_one_step(tmp_path):
+    """tools/bench_burst against a CPU server: each round's burst waits for one prefill of its prefix."""
+    server = launch(["--model", "tiny-hybrid-random", "--chunked-prefill-size", "4096"], tmp_path)
+    pids = server.actor_pids()
+    out = tmp_path / "burst.json"
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tools.bench_burst", "--url", server.url, "--rank-pid",
+                               str(server.actor_pid("hkv.actors.rank")), "--requests", "3", "--shared", "512",
+                               "--own", "16", "--output", "4", "--rounds", "2", "--gather-s", "0.5", "--json", str(out)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{server.log()}"
+    finally:
+        code = server.stop(signal.SIGTERM)
+    assert code == 0, server.log()
+    assert_clean(server, pids)
+    print(proc.stdout)
+    rounds = json.loads(out.read_text())["rounds"]
+    assert len(rounds) == 2
+    for r in rounds:  # the cache is flushed before each round, so both find nothing but what the burst made
+        assert sorted(r["cached_tokens"]) == [0, 512, 512] and r["prefix_waits"] == 2, r
+        assert r["hit_rate"] == r["ideal_hit_rate"] and 0 < r["ttft_ms"]["median"] <= r["ttft_ms"]["max"], r
