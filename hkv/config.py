@@ -128,6 +128,7 @@ class SchedulerConfig:
     max_running_requests: int
     chunked_prefill_size: int  # prompt tokens per step across all sequences
     max_queued_requests: int  # bounded admission queue at the router (429 beyond it)
+    prefix_wait_tokens: int = 256  # a waiting prompt waits for another's prefill of a prefix this much longer; 0 = off
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,10 @@ def _scheduling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-size", type=_positive_int, default=None,
                    help="tokens per step across all sequences, prefill chunks included (default: 512 on cpu, "
                         "8192 on cuda)")
+    g.add_argument("--prefix-wait-tokens", type=_non_negative_int, default=256,
+                   help="a waiting request whose prompt shares a prefix with a prompt another request is still "
+                        "prefilling waits for it when that adds at least this many cached tokens, rather than "
+                        "compute the prefix again beside it; 0 = never wait (default: 256)")
     g.add_argument("--spec-tokens", type=_non_negative_int, default=0,
                    help=f"speculative decoding: tokens the checkpoint's MTP module drafts per step, verified in one "
                         f"target forward; at most {MAX_SPEC_TOKENS}, needs mtp.* weights (default: 0 = off)")
@@ -585,6 +590,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             max_running_requests=max_running,
             chunked_prefill_size=args.chunked_prefill_size or (512 if on_cpu else 8192),
             max_queued_requests=4096,
+            prefix_wait_tokens=args.prefix_wait_tokens,
         ),
         spec=SpecConfig(args.spec_tokens, args.draft_window or 0, os.environ.get("HKV_SPEC_ORACLE") or None),
         server=server,

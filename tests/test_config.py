@@ -96,6 +96,16 @@ def test_graph_and_memory_flags(tmp_path):
         parse_cli(["--device", "cpu", "--model", folder, "--gpu-memory-fraction", "1.5"])
 
 
+def test_the_prefix_wait_flag(tmp_path):
+    folder = str(_qwen3_5_folder(tmp_path))
+    for argv, tokens in (([], 256), (["--prefix-wait-tokens", "0"], 0), (["--prefix-wait-tokens", "1024"], 1024)):
+        cfg = parse_cli(["--device", "cpu", "--model", folder, *argv])
+        shutil.rmtree(cfg.run_dir)
+        assert cfg.scheduler.prefix_wait_tokens == tokens
+    with pytest.raises(SystemExit):
+        parse_cli(["--device", "cpu", "--model", folder, "--prefix-wait-tokens", "-1"])
+
+
 def _qwen3_5_9b_folder(tmp_path):
     """Qwen3.5-9B's cache-relevant shape (docs/sizing.md): 8 of 32 layers full attention, 4 KV heads x 256,
     GDN with 16 key heads x 128 and 32 value heads x 128, kernel 4."""

@@ -156,6 +156,7 @@ class Router:
             checkpoint_interval=c.checkpoint_interval,
             tier_checkpoint_interval=c.tier_checkpoint_interval,
             spec_tokens=cfg.spec.spec_tokens,
+            prefix_wait_min=cfg.scheduler.prefix_wait_tokens,
         )
         spec = CacheSpec(c.page_size, kv_pages, state_slots, 0, c.hybrid, c.checkpoint_interval, c.prefix_cache)
         self.coord = CacheCoordinator(spec)

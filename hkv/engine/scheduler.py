@@ -255,8 +255,8 @@ class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
     def _prefix_feeders(self) -> list[tuple[Sequence, int]] | None:
         """Running sequences still prefilling their prompt, each with what it has published
         (its kv_len: `_publish_sent` has just published every sent chunk); None with the
-        prefix cache off (nothing to wait for)."""
-        if not self.coord.spec.prefix_cache:
+        prefix cache off (nothing to wait for) or the wait turned off (--prefix-wait-tokens 0)."""
+        if not self.coord.spec.prefix_cache or self.limits.prefix_wait_min <= 0:
             return None
         return [(seq, seq.kv_len) for seq in self.running.values()
                 if seq.arriving is None and seq.kv_len < len(seq.prompt_ids)]

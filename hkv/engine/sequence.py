@@ -22,7 +22,7 @@ class SchedulerLimits:
     tier_checkpoint_interval: int | None = None  # hybrid with tiers: interior prefixes copied out on multiples of this
     spec_tokens: int = 0  # speculative decoding: drafts verified per decode step at most (0 = off)
     # a waiting prompt waits for a prefix another is prefilling when that adds at least this many cached tokens
-    # (a shorter share, a chat template's first page say, is not worth a step of its time to first token)
+    # (a shorter share, a chat template's first page say, is not worth a step of its time to first token); 0 = never
     prefix_wait_min: int = 256
 
 

@@ -534,6 +534,15 @@ def test_without_the_wait_a_burst_computes_the_prefix_beside_itself():
     assert sorted(c.start_pos for c in plan.chunks) == [0, 0, 0] and sched.prefix_waits == 0
 
 
+def test_a_wait_minimum_of_zero_turns_the_wait_off():
+    """--prefix-wait-tokens 0: the burst is admitted together, as before the wait existed."""
+    sched = make(prefix_cache=True, budget=256, num_pages=64, page_size=4, prefix_wait_min=0)
+    for r in (1, 2, 3):
+        sched.add(shared_req(r, 32, 4))
+    plan, _ = step(sched)
+    assert sorted(c.start_pos for c in plan.chunks) == [0, 0, 0] and sched.prefix_waits == 0
+
+
 def test_no_prefix_cache_never_waits():
     sched = make(prefix_cache=False, budget=256, num_pages=64, page_size=4, prefix_wait_min=8)
     for r in (1, 2):
