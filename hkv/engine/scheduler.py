@@ -277,7 +277,7 @@ class Scheduler(Publishing, Speculating, PdFetching, PdPairing):
             seq.shared_with = {r: n for r, n in seq.shared_with.items() if r in self.running}
         best = 0
         for feeder, published in feeders:
-            if feeder is seq:
+            if feeder is seq or feeder.req_id not in self.running:  # (preempted earlier in this step)
                 continue
             shared = seq.shared_with.get(feeder.req_id)
             if shared is None:
