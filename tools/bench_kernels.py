@@ -386,6 +386,51 @@ def bench_sweep() -> None:
         row(f"sweep_gdn_decode{tile}", "B64 Hk16 Hv32", ms, gbytes=2 * 64 * 32 * 128 * 128 * 4 / GB)
 
 
+def bench_decode_short() -> None:
+    """The benchmark model's decode attention (Hq 16, Hkv 2, D 256, page 16) at short and long contexts:
+    the 6 attention layers of a step, each over its own KV (so not from L2), in one CUDA graph, for
+    split counts and tiles around the default (decode_splits, BLOCK_N 64, 4 warps, 3 stages)."""
+    from hkv_kernels.paged_attention.triton_paged_attention import decode_splits, launch_paged_decode
+
+    hq, hkv, dim, page, layers = 16, 2, 256, 16, 6
+    for batch, ctx in ((32, 576), (64, 576), (64, 4096)):
+        pools = [_paged_kv(batch, ctx, hkv, dim, page, torch.bfloat16) for _ in range(layers)]
+        q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
+        gate = torch.randn_like(q)
+        out = torch.empty_like(q)
+        meta = build_meta([1] * batch, [ctx] * batch, "cuda", hq // hkv, dim, torch.bfloat16)
+        gbytes = layers * 2 * batch * ctx * hkv * dim * 2 / GB
+        default = decode_splits(batch, hkv, q.device)
+        results = []
+        for splits in sorted({1, 8, 12, 16, default}):  # (B1 L576, 2026-12-04: s12 n64 w8 st2 1.17x the default)
+            for block_n in (32, 64):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        def step(splits=splits, block_n=block_n, warps=warps, stages=stages):
+                            for k, v, table in pools:
+                                launch_paged_decode(q, k, v, table, meta, dim**-0.5, out, gate, block_n=block_n,
+                                                    splits=splits, num_warps=warps, num_stages=stages)
+                        try:
+                            step()
+                            torch.cuda.synchronize()
+                            graph = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(graph):
+                                step()
+                            ms = bench(graph.replay)
+                        except Exception as exc:  # a tile out of shared memory or registers
+                            print(f"  decode_short B{batch} L{ctx} s{splits} n{block_n} w{warps} st{stages}: "
+                                  f"{type(exc).__name__}", flush=True)
+                            continue
+                        results.append((ms, splits, block_n, warps, stages))
+                        del graph
+        base = next(r[0] for r in results if r[1:] == (default, 64, 4, 3))
+        results.sort()
+        for ms, splits, block_n, warps, stages in results[:5]:
+            row(f"decode_short s{splits} n{block_n} w{warps} st{stages}", f"B{batch} L{ctx} x{layers} layers", ms,
+                gbytes=gbytes, base_name=f"default s{default} n64 w4 st3", base_ms=base)
+        del pools
+
+
 # the benchmark model's projections per decode step: (name, N, K, GEMMs per step)
 DECODE_GEMMS = [("gdn_in_proj", 12352, 2048, 18), ("gdn_out_proj", 2048, 4096, 18), ("attn_qkv", 9216, 2048, 6),
                 ("attn_o_proj", 2048, 4096, 6), ("mlp_gate_up", 12288, 2048, 24), ("mlp_down", 2048, 6144, 24),
@@ -410,7 +455,7 @@ def bench_gemm() -> None:
 
 
 SECTIONS = {
-    "sweep": bench_sweep, "gemm": bench_gemm,
+    "sweep": bench_sweep, "gemm": bench_gemm, "decode_short": bench_decode_short,
     "decode": bench_decode_attention, "prefill": bench_prefill_attention, "gdn_prefill": bench_gdn_prefill,
     "gdn_decode": bench_gdn_decode, "conv": bench_conv1d, "copy": bench_cache_copies, "fused": bench_fused_ops,
 }

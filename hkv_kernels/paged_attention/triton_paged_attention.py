@@ -205,14 +205,24 @@ def decode_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
 
 def launch_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
-    scale: float, out: torch.Tensor, gate: torch.Tensor | None = None, block_n: int = 64,
+    scale: float, out: torch.Tensor, gate: torch.Tensor | None = None, block_n: int | None = None,
+    splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Decode launcher (every sequence has one new token): keys split across programs, then reduced."""
+    """Decode launcher (every sequence has one new token): keys split across programs, then reduced.
+
+    Tile: 32 keys a block and 2 stages once sequences x KV heads give 32 programs before the split,
+    else 64 and 3. The H200 sweep (tools/bench_kernels.py decode_short: the benchmark model's 6
+    attention layers, Hq 16 / Hkv 2 / D 256, in a graph) measured 32 / 2 at 1.29x the 64 / 3 tile at
+    B32 x 576 keys, 1.16x at B64 x 576 and 1.02x at B64 x 4,096; at B1 it was not among the best.
+    block_n / splits / num_warps / num_stages override it (sweeps)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     num_seqs = meta.num_seqs
-    splits = decode_splits(num_seqs, num_kv_heads, q.device)
+    splits = splits or decode_splits(num_seqs, num_kv_heads, q.device)
+    wide = num_seqs * num_kv_heads >= 32
+    block_n = block_n or (32 if wide else 64)
+    num_stages = num_stages or (2 if wide else 3)
     part_o = torch.empty(num_seqs, splits, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(2, num_seqs, splits, num_q_heads, dtype=torch.float32, device=q.device)
     block_m = max(16, next_pow2(group))
@@ -222,7 +232,7 @@ def launch_paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0), scale * _LOG2E,
         num_seqs, num_q_heads,
         SPLITS=splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     gated = gate is not None
     _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
