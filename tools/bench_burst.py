@@ -18,18 +18,21 @@ another request was prefilling: docs/cache.md).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
 import statistics
 import sys
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
+import aiohttp
+
 from hkv.argtypes import positive_int
+from tools.bench_client import RequestResult, completion_body, scrape_metrics, stream_completion
 
 
 def find_rank(name: str | None) -> int:
@@ -50,90 +53,66 @@ def find_rank(name: str | None) -> int:
     return found[0]
 
 
-def metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+WAITS = "hkv_engine_prefix_waits_total"
 
 
-class Stream(threading.Thread):
-    """One streamed completion; records the time of its first token and its usage."""
-
-    def __init__(self, url: str, prompt: list[int], max_tokens: int) -> None:
-        super().__init__(daemon=True)
-        self.body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                "return_token_ids": True, "ignore_eos": True, "stream": True,
-                                "stream_options": {"include_usage": True}}).encode()
-        self.url, self.first, self.usage, self.error, self.tokens = url, None, None, None, 0
-        self.started = threading.Event()
-        self.response = None
-        self.closing = False
-
-    def run(self) -> None:
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=self.body,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=600) as resp:
-                self.response = resp
-                for raw in resp:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        self.error = str(event["error"])
-                        return
-                    for choice in event.get("choices", []):
-                        if choice.get("token_ids"):
-                            self.first = self.first or time.monotonic()
-                            self.tokens += len(choice["token_ids"])
-                            self.started.set()
-                    self.usage = event.get("usage") or self.usage
-        except Exception as exc:  # noqa: BLE001 - reading a response closed under it raises several types
-            if not self.closing:  # (the blocker is cut off on purpose)
-                self.error = self.error or f"{type(exc).__name__}: {exc}"
-        finally:
-            self.started.set()
-
-
-def one_round(args, rank: int, rng: random.Random) -> dict:
-    urllib.request.urlopen(urllib.request.Request(f"{args.url}/cache/flush", method="POST"), timeout=30).read()
+async def one_round(http: aiohttp.ClientSession, args, model: dict, rank: int, rng: random.Random) -> dict:
+    """One burst over a flushed cache: the streams are hkv-bench's (tools/bench_client.py)."""
+    async with http.post(f"{args.url}/cache/flush") as resp:
+        resp.raise_for_status()
     shared = [rng.randrange(16, args.vocab) for _ in range(args.shared)]
     prompts = [shared + [rng.randrange(16, args.vocab) for _ in range(args.own)] for _ in range(args.requests)]
-    waits_before = metric(args.url, "hkv_engine_prefix_waits_total")
-    models = json.loads(urllib.request.urlopen(f"{args.url}/v1/models", timeout=10).read())["data"]
-    blocker = Stream(args.url, [rng.randrange(16, args.vocab) for _ in range(16)], models[0]["max_model_len"] - 16)
-    blocker.start()
-    blocker.started.wait(300)
-    if blocker.error:
+    waits_before = (await scrape_metrics(http, args.url) or {}).get(WAITS, 0.0)
+
+    def start(prompt: list[int], max_tokens: int) -> tuple[RequestResult, asyncio.Task]:
+        result = RequestResult(tuple(prompt), time.perf_counter())
+        body = completion_body(model["id"], prompt, max_tokens)
+        return result, asyncio.ensure_future(stream_completion(http, args.url, body, result))
+
+    blocker, blocking = start([rng.randrange(16, args.vocab) for _ in range(16)], model["max_model_len"] - 16)
+    while not blocker.events and not blocking.done():  # decoding: a step is in flight from now on
+        await asyncio.sleep(0.01)
+    if blocker.error or blocking.done():
         raise SystemExit(f"the blocking request failed: {blocker.error}")
     os.kill(rank, signal.SIGSTOP)
     try:
-        burst = [Stream(args.url, p, args.output) for p in prompts]
-        for s in burst:
-            s.start()
-        time.sleep(args.gather_s)
+        burst = [start(p, args.output) for p in prompts]
+        await asyncio.sleep(args.gather_s)
     finally:
         os.kill(rank, signal.SIGCONT)
-        resumed = time.monotonic()
-    for s in burst:
-        s.join(600)
-    blocker.closing = True
-    if blocker.response is not None:
-        blocker.response.close()  # the server aborts it
-    blocker.join(30)
-    failed = [s.error for s in burst if s.error or s.first is None]
+        resumed = time.perf_counter()
+    await asyncio.gather(*(task for _, task in burst))
+    blocking.cancel()  # its connection closes: the server aborts it
+    with contextlib.suppress(asyncio.CancelledError):
+        await blocking
+    results = [result for result, _ in burst]
+    failed = [r.error for r in results if r.error or not r.events]
     if failed:
         raise SystemExit(f"{len(failed)} burst requests failed: {failed[0]}")
-    ttft = [(s.first - resumed) * 1e3 for s in burst]
-    cached = [s.usage["prompt_tokens_details"]["cached_tokens"] for s in burst]
-    prompt_tokens = sum(s.usage["prompt_tokens"] for s in burst)
+    ttft = [(r.events[0][0] - resumed) * 1e3 for r in results]
+    cached = [r.usage["prompt_tokens_details"]["cached_tokens"] for r in results]
+    prompt_tokens = sum(r.usage["prompt_tokens"] for r in results)
     return {"ttft_ms": {"mean": statistics.mean(ttft), "median": statistics.median(ttft), "max": max(ttft)},
             "cached_tokens": cached, "hit_rate": sum(cached) / prompt_tokens,
             "ideal_hit_rate": (args.requests - 1) * (args.shared // args.page * args.page) / prompt_tokens,
-            "prefix_waits": metric(args.url, "hkv_engine_prefix_waits_total") - waits_before}
+            "prefix_waits": (await scrape_metrics(http, args.url) or {}).get(WAITS, 0.0) - waits_before}
+
+
+async def run(args, rank: int) -> list[dict]:
+    rng = random.Random(args.seed)
+    rounds = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        async with http.get(f"{args.url}/v1/models") as resp:
+            model = (await resp.json())["data"][0]
+        for i in range(args.rounds):
+            r = await one_round(http, args, model, rank, rng)
+            rounds.append(r)
+            t = r["ttft_ms"]
+            print(f"round {i + 1}: {args.requests} x ({args.shared} shared + {args.own}) in one step: TTFT from "
+                  f"resume mean {t['mean']:.1f} / median {t['median']:.1f} / max {t['max']:.1f} ms; hit rate "
+                  f"{100 * r['hit_rate']:.1f}% of an ideal {100 * r['ideal_hit_rate']:.1f}%; cached per request "
+                  f"{sorted(set(r['cached_tokens']))}; prefix waits {r['prefix_waits']:.0f}", flush=True)
+    return rounds
 
 
 def parse_args(argv=None):
@@ -162,17 +141,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rank = args.rank_pid or find_rank(args.name)
-    rng = random.Random(args.seed)
-    rounds = []
-    for i in range(args.rounds):
-        r = one_round(args, rank, rng)
-        rounds.append(r)
-        t = r["ttft_ms"]
-        print(f"round {i + 1}: {args.requests} x ({args.shared} shared + {args.own}) in one step: TTFT from resume "
-              f"mean {t['mean']:.1f} / median {t['median']:.1f} / max {t['max']:.1f} ms; hit rate "
-              f"{100 * r['hit_rate']:.1f}% of an ideal {100 * r['ideal_hit_rate']:.1f}%; cached per request "
-              f"{sorted(set(r['cached_tokens']))}; prefix waits {r['prefix_waits']:.0f}", flush=True)
+    rounds = asyncio.run(run(args, args.rank_pid or find_rank(args.name)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rounds": rounds}, f, indent=1)
