@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hkv.engine.cuda_graphs import replay_seconds
 from tools.bench_decode import copy_bandwidth
 
 
@@ -142,15 +143,7 @@ def main() -> None:
             if ref is None:
                 ref = out.float().clone()
             err = ((out.float() - ref).norm() / ref.norm()).item()
-            times = []
-            for _ in range(args.replays):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            med = statistics.median(times)
+            med = replay_seconds(graph, args.replays, statistics.median) * 1e3
             rows.append((batch, variant, med, err))
             del graph
         base = next(r[2] for r in rows if r[0] == batch and r[1] == "base")

@@ -48,6 +48,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hkv.engine.cuda_graphs import replay_seconds
+from tools.bench_decode import copy_bandwidth
+
 HIDDEN, INTER, IN_N, O_K, HEADS, DK, DV = 2048, 6144, 12352, 4096, 32, 128, 128
 
 
@@ -287,6 +290,7 @@ class Step:
 
 
 def replay_ms(fn, replays: int) -> tuple[float, torch.Tensor]:
+    """fn warmed up, captured once and replayed: the median replay in ms, and fn's output."""
     for _ in range(2):
         out = fn()
     torch.cuda.synchronize()
@@ -295,16 +299,9 @@ def replay_ms(fn, replays: int) -> tuple[float, torch.Tensor]:
         out = fn()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = replay_seconds(graph, replays, statistics.median) * 1e3
     del graph
-    return statistics.median(times), out
+    return ms, out
 
 
 def sweep(layers: list[dict], batch: int, dev: torch.device, replays: int) -> dict[str, Tile]:
@@ -344,22 +341,6 @@ def sweep(layers: list[dict], batch: int, dev: torch.device, replays: int) -> di
         print(f"  B{batch} {name} (N {n}, K {k}, x{len(layers)}): cuBLAS {ref:.3f} ms; best ours "
               + ", ".join(f"{t} {ms:.3f}" for ms, t in times[:4]) + f"  ({gb / times[0][0]:.2f} TB/s)", flush=True)
     return best
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 28
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(20):
-        b.copy_(a)
-    e1.record()
-    e1.synchronize()
-    return 2 * n * 20 / (e0.elapsed_time(e1) / 1e3)
 
 
 def main() -> int:
@@ -411,13 +392,11 @@ def main() -> int:
             rows.append((variant, ms))
         base = next((ms for v, ms in rows if v == "cublas"), None)
         for variant, ms in rows:
-            ref = outs.get("ours", outs.get("cublas"))
             same = torch.equal(outs[variant], outs["ours"]) if "ours" in outs and variant.startswith("ours") else None
             err = ((outs[variant] - outs["cublas"]).norm() / outs["cublas"].norm()).item() if "cublas" in outs else 0.0
             print(f"  B{batch:<3} {variant:<14} {ms:7.3f} ms  x{(base or ms) / ms:5.3f} of cublas  "
                   f"{roof / ms * 100:5.1f}% of copy bw  vs cublas rel {err:.1e}"
                   + ("" if same is None else f"  equal to ours: {same}"), flush=True)
-            del ref
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -36,17 +37,17 @@ def buckets_up_to(max_bs: int) -> list[int]:
     return out + [max_bs]
 
 
-def replay_seconds(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
-    """A captured graph's replay time on the device: CUDA events, the best of `repeats`."""
-    best = float("inf")
+def replay_seconds(graph: torch.cuda.CUDAGraph, repeats: int, stat: Callable[[list[float]], float] = min) -> float:
+    """A captured graph's replay time on the device: CUDA events, `stat` (the best by default) of `repeats`."""
+    times = []
     for _ in range(repeats):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         graph.replay()
         end.record()
         end.synchronize()
-        best = min(best, begin.elapsed_time(end) / 1e3)
-    return best
+        times.append(begin.elapsed_time(end) / 1e3)
+    return stat(times)
 
 
 class DecodeGraphs:
