@@ -28,22 +28,29 @@ def _bench_command() -> list[str]:
     return [str(BENCH)] if BENCH.exists() else [sys.executable, "-m", "tools.hkv_bench"]
 
 
-def _run_small(tmp_path: Path) -> dict:
-    """hkv-bench --small against a fresh tiny-hybrid-random server; its JSON report (the table is printed)."""
-    server = launch(["--model", "tiny-hybrid-random"], tmp_path)
+def _run_tool(tmp_path: Path, flags: list[str], command) -> tuple[str, dict]:
+    """A fresh tiny-hybrid-random server with `flags`, the tool `command(server, json_path)` run against it
+    as a subprocess; its stdout (printed) and its JSON report."""
+    server = launch(["--model", "tiny-hybrid-random", *flags], tmp_path)
     pids = server.actor_pids()
-    out = tmp_path / "bench.json"
+    out = tmp_path / "report.json"
     try:
-        proc = subprocess.run([*_bench_command(), "--small", "--url", server.url, "--json", str(out),
-                               "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(command(server, out), cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{server.log()}"
     finally:
         code = server.stop(signal.SIGTERM)
     assert code == 0, server.log()
     assert_clean(server, pids)
     print(proc.stdout)
-    assert "hit rate measured / ideal" in proc.stdout
-    return json.loads(out.read_text())
+    return proc.stdout, json.loads(out.read_text())
+
+
+def _run_small(tmp_path: Path) -> dict:
+    """hkv-bench --small against a fresh tiny-hybrid-random server; its JSON report (the table is printed)."""
+    stdout, report = _run_tool(tmp_path, [], lambda server, out: [
+        *_bench_command(), "--small", "--url", server.url, "--json", str(out), "--no-progress"])
+    assert "hit rate measured / ideal" in stdout
+    return report
 
 
 def test_small_run_reports_every_metric(tmp_path):
@@ -74,21 +81,11 @@ def test_small_run_reports_every_metric(tmp_path):
 
 def test_bench_burst_lands_its_burst_in_one_step(tmp_path):
     """tools/bench_burst against a CPU server: each round's burst waits for one prefill of its prefix."""
-    server = launch(["--model", "tiny-hybrid-random", "--chunked-prefill-size", "4096"], tmp_path)
-    pids = server.actor_pids()
-    out = tmp_path / "burst.json"
-    try:
-        proc = subprocess.run([sys.executable, "-m", "tools.bench_burst", "--url", server.url, "--rank-pid",
-                               str(server.actor_pid("hkv.actors.rank")), "--requests", "3", "--shared", "512",
-                               "--own", "16", "--output", "4", "--rounds", "2", "--gather-s", "0.5", "--json", str(out)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{server.log()}"
-    finally:
-        code = server.stop(signal.SIGTERM)
-    assert code == 0, server.log()
-    assert_clean(server, pids)
-    print(proc.stdout)
-    rounds = json.loads(out.read_text())["rounds"]
+    _, report = _run_tool(tmp_path, ["--chunked-prefill-size", "4096"], lambda server, out: [
+        sys.executable, "-m", "tools.bench_burst", "--url", server.url, "--rank-pid",
+        str(server.actor_pid("hkv.actors.rank")), "--requests", "3", "--shared", "512", "--own", "16", "--output", "4",
+        "--rounds", "2", "--gather-s", "0.5", "--json", str(out)])
+    rounds = report["rounds"]
     assert len(rounds) == 2
     for r in rounds:  # the cache is flushed before each round, so both find nothing but what the burst made
         assert sorted(r["cached_tokens"]) == [0, 512, 512] and r["prefix_waits"] == 2, r

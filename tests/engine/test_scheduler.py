@@ -525,18 +525,11 @@ def test_a_burst_sharing_a_prefix_prefills_it_once():
     sched.coord.check_integrity()
 
 
-def test_without_the_wait_a_burst_computes_the_prefix_beside_itself():
-    """The threshold is what turns it off: a share below prefix_wait_min never waits."""
-    sched = make(prefix_cache=True, budget=256, num_pages=64, page_size=4, prefix_wait_min=64)
-    for r in (1, 2, 3):
-        sched.add(shared_req(r, 32, 4))
-    plan, _ = step(sched)
-    assert sorted(c.start_pos for c in plan.chunks) == [0, 0, 0] and sched.prefix_waits == 0
-
-
-def test_a_wait_minimum_of_zero_turns_the_wait_off():
-    """--prefix-wait-tokens 0: the burst is admitted together, as before the wait existed."""
-    sched = make(prefix_cache=True, budget=256, num_pages=64, page_size=4, prefix_wait_min=0)
+@pytest.mark.parametrize("minimum", [64, 0], ids=["share-below-the-minimum", "minimum-0-turns-it-off"])
+def test_without_the_wait_a_burst_computes_the_prefix_beside_itself(minimum):
+    """A share below prefix_wait_min never waits, and --prefix-wait-tokens 0 waits for nothing: the
+    burst is admitted together, as before the wait existed."""
+    sched = make(prefix_cache=True, budget=256, num_pages=64, page_size=4, prefix_wait_min=minimum)
     for r in (1, 2, 3):
         sched.add(shared_req(r, 32, 4))
     plan, _ = step(sched)
