@@ -207,3 +207,35 @@ def ring_write(ring: torch.Tensor, window_ids: torch.Tensor, positions: torch.Te
     from hkv_kernels.cache_copy.triton_cache_copy import ring_write as ring_write_triton
 
     ring_write_triton(ring, window_ids.to(ring.device), positions.to(ring.device), values)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (top-k weights [T, k] in logits' dtype, expert ids [T, k]): softmax in
+    fp32, the k largest in descending order, renormalised to sum to one when asked."""
+    if not logits.is_cuda:
+        from hkv_kernels.moe.reference import moe_route_ref
+
+        return moe_route_ref(logits, top_k, renormalize)
+    from hkv_kernels.moe.triton_moe import moe_route as moe_route_triton
+
+    return moe_route_triton(logits, top_k, renormalize)
+
+
+def moe_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The routed experts' weighted sum, plus sigmoid(shared_gate) * shared when given.
+
+    x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows, per expert); w2: [E, H, I]; weights, ids:
+    [T, k] from moe_route; shared: [T, H] and shared_gate: [T, 1], or None. CPU: transformers' loop over
+    the hit experts; CUDA: the sort by expert and two grouped GEMMs, no host read (graph-safe).
+    Returns [T, H] in x's dtype.
+    """
+    if not x.is_cuda:
+        from hkv_kernels.moe.reference import moe_experts_ref
+
+        return moe_experts_ref(x, w13, w2, weights, ids, shared, shared_gate)
+    from hkv_kernels.moe.triton_moe import moe_experts as moe_experts_triton
+
+    return moe_experts_triton(x, w13, w2, weights, ids, shared, shared_gate)
