@@ -374,7 +374,8 @@ def _check_spec(args: argparse.Namespace, spec: ModelSpec, path: str) -> None:
         raise ConfigError(f"--spec-tokens {k}: at most {MAX_SPEC_TOKENS}")
     if w is not None and 0 < w < k + 1:
         raise ConfigError(f"--draft-window {w}: must be 0 (full length) or at least --spec-tokens + 1 ({k + 1})")
-    if not spec.hybrid or spec.family not in ("qwen3_5", "qwen3_5_text", "qwen3_next"):
+    if not spec.hybrid or spec.family not in ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe",
+                                               "qwen3_5_moe_text"):
         raise ConfigError(f"--spec-tokens: drafting uses a Qwen3.5 / Qwen3-Next MTP module; {args.model} is "
                           f"{spec.family}")
     from hkv.models.loader import mtp_layers  # reads the weights' headers: only when drafting

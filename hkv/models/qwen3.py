@@ -251,12 +251,15 @@ class Qwen3Model(nn.Module):
 
 
 def load_params(
-    module: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], skip: Callable[[str], bool]
+    module: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], skip: Callable[[str], bool],
+    stacker=None,
 ) -> None:
     """Copy checkpoint tensors onto `module`'s parameters by exact name (cast to each parameter's dtype/device).
 
-    Names for which `skip(name)` is true are ignored. Raises WeightLoadError naming
-    missing, unexpected or mis-shaped tensors; every parameter must be loaded once.
+    Names for which `skip(name)` is true are ignored. stacker: an hkv.models.moe.ExpertStacker whose
+    `absorb` the stream went through (its per-expert tensors fill stacked parameters). Raises
+    WeightLoadError naming missing, unexpected, duplicated or mis-shaped tensors; every parameter
+    must be loaded exactly once.
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
@@ -268,6 +271,8 @@ def load_params(
         if param is None:
             unexpected.append(name)
             continue
+        if name in loaded:
+            raise WeightLoadError(f"weight {name} appears twice in the checkpoint")
         if tuple(tensor.shape) != tuple(param.shape):
             raise WeightLoadError(
                 f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}"
@@ -275,7 +280,14 @@ def load_params(
         with torch.no_grad():
             param.copy_(tensor)
         loaded.add(name)
+    if stacker is not None:
+        both = loaded & stacker.touched()
+        if both:
+            raise WeightLoadError(f"weight {sorted(both)[0]} comes both fused and as per-expert tensors")
+        loaded |= stacker.complete()
     missing = sorted(set(params) - loaded)
+    if stacker is not None:
+        missing = stacker.describe_missing(missing)
     if missing or unexpected:
         raise WeightLoadError(
             f"checkpoint does not match the model: {len(missing)} missing {missing[:5]}, "

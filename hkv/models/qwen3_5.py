@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hkv.models.batch import ForwardBatch
+from hkv.models.moe import ExpertStacker
 from hkv.models.qwen3 import Qwen3MLP as MLP  # the same SwiGLU MLP; qwen3_next imports it from here
 from hkv.models.qwen3 import FusedLinear, Rotary, default_rope_theta, fuse_projections, load_params
 from hkv.storage.kv_pool import KVLayout, KVPool
@@ -429,7 +430,8 @@ class HybridForCausalLM(nn.Module):
                     name = "model." + name.removeprefix("model.language_model.")
                 yield name, tensor
 
-        load_params(self, renamed(), skip)
+        stacker = ExpertStacker(self)  # MoE families: per-expert tensors into the stacked experts
+        load_params(self, stacker.absorb(renamed()), skip, stacker)
         if skipped.get("mtp."):
             log.info("ignoring %d MTP weights (mtp.*): speculative decoding is off", skipped["mtp."])
         if skipped["model.visual."]:

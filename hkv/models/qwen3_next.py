@@ -6,13 +6,15 @@ hkv.models.qwen3_5; differs (per transformers' modeling_qwen3_next) in:
 - GDN projections: in_proj_qkvz / in_proj_ba, grouped per key head
   ([Hk, Dk | Dk | r*Dv | r*Dv] and [Hk, r | r] with r = Hv / Hk), un-grouped
   here into q|k|v conv input, z, b, a;
-- MLPs: a sparse MoE block (softmax router, top-k, optional renormalisation
-  of the top-k probabilities, plus a shared expert scaled by sigmoid of its
-  own gate) on layers with (layer + 1) % decoder_sparse_step == 0 and not in
-  mlp_only_layers; a dense MLP elsewhere.
+- MLPs: a sparse MoE block (hkv.models.moe: softmax router, top-k, optional
+  renormalisation of the top-k probabilities, plus a shared expert scaled by
+  sigmoid of its own gate) on layers with (layer + 1) % decoder_sparse_step == 0
+  and not in mlp_only_layers; a dense MLP elsewhere.
 
-Expert weights keep the checkpoint's per-expert names
-(`mlp.experts.{e}.{gate,up,down}_proj.weight`), so loading is by exact name.
+Expert weights are stacked per layer ([E, 2I, H] and [E, H, I]); the published
+per-expert names (`mlp.experts.{e}.{gate,up,down}_proj.weight`) and
+transformers 5's fused ones (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)
+both load. Routing and experts run on the device, so the model is graph-safe.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hkv.models.moe import SparseMoeBlock, moe_block
 from hkv.models.qwen3_5 import MLP, DecoderLayer, GatedDeltaNet, HybridForCausalLM, Qwen3_5Config
+
+__all__ = ["NextGatedDeltaNet", "Qwen3NextConfig", "Qwen3NextForCausalLM", "SparseMoeBlock"]
 
 
 @dataclass(frozen=True)
@@ -76,53 +81,23 @@ class NextGatedDeltaNet(GatedDeltaNet):
         return qkv, z, b.reshape(num_tokens, self.v_heads), a.reshape(num_tokens, self.v_heads)
 
 
-class SparseMoeBlock(nn.Module):
-    """Top-k routed experts plus a sigmoid-gated shared expert (reference path: a loop over experts)."""
-
-    def __init__(self, cfg: Qwen3NextConfig) -> None:
-        super().__init__()
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
-        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> top-k weights [T, k] (x's dtype) and expert ids [T, k]."""
-        logits = self.gate(x)  # [T, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), experts
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
-        out = torch.zeros_like(x)  # [T, hidden]
-        # ascending expert order, like transformers, so per-token sums add up in the same order
-        for expert in torch.unique(experts).tolist():
-            tokens, rank = torch.where(experts == expert)
-            h = self.experts[expert](x[tokens]) * weights[tokens, rank, None]
-            out.index_add_(0, tokens, h.to(out.dtype))
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out + shared
-
-
 class Qwen3NextForCausalLM(HybridForCausalLM):
     """Qwen3-Next hybrid MoE model (`qwen3_next` checkpoints)."""
 
     config_class = Qwen3NextConfig
-    # the MoE reference loop reads the routing on the host (unique experts), so no CUDA graph
-    graph_safe = False
 
     def mtp_mlp(self) -> nn.Module:
         """Qwen3-Next's MTP layer routes experts like its decoder layers (a dense MLP without experts)."""
         cfg = self.cfg
-        return SparseMoeBlock(cfg) if cfg.num_experts > 0 else MLP(cfg.hidden_size, cfg.intermediate_size)
+        return moe_block(cfg, cfg.norm_topk_prob) if cfg.num_experts > 0 else MLP(cfg.hidden_size,
+                                                                                   cfg.intermediate_size)
 
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         layers = []
         for i in range(cfg.num_hidden_layers):
-            mlp = SparseMoeBlock(cfg) if cfg.is_sparse(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+            if cfg.is_sparse(i):
+                mlp = moe_block(cfg, cfg.norm_topk_prob)
+            else:
+                mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
             layers.append(DecoderLayer(cfg, i, mlp, gdn_cls=NextGatedDeltaNet))
         super().__init__(cfg, layers)

@@ -10,6 +10,8 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_text": "hkv.models.qwen3_5:Qwen3_5ForCausalLM",
     "qwen3_5": "hkv.models.qwen3_5:Qwen3_5ForCausalLM",
     "qwen3_next": "hkv.models.qwen3_next:Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "hkv.models.qwen3_5_moe:Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "hkv.models.qwen3_5_moe:Qwen3_5MoeForCausalLM",
 }
 
 
