@@ -56,6 +56,10 @@ HYBRID = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                      "mrope_section": [2, 1, 1], "mrope_interleaved": True},
 )
+# Qwen3-Next with 8 experts (plain rope: its config has no mrope)
+MOE = {**{k: v for k, v in HYBRID.items() if k != "rope_parameters"}, "num_experts": 8, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
 PROMPT_LENS = [5, 64, 150, 333, 700]
 MAX_TOKENS = {"float32": 16, "bfloat16": 8}
 FLAGS = ["--device", "cuda", "--chunked-prefill-size", "256", "--max-total-tokens", "16384",
@@ -148,9 +152,9 @@ def _teacher_forced(checkpoint, dtype, prompts, outputs, work_dir) -> list[torch
     return [torch.log_softmax(x[len(p) - 1 :], dim=-1) for x, p in zip(logits, prompts)]
 
 
-def test_fp32_greedy_output_equals_transformers(servers, checkpoint, tmp_path):
+def _assert_fp32_parity(url: str, checkpoint: Path, tmp_path: Path) -> None:
     prompts = _prompts()
-    choices = _serve(servers["float32"].url, prompts, MAX_TOKENS["float32"], None)
+    choices = _serve(url, prompts, MAX_TOKENS["float32"], None)
     outputs = [c["token_ids"] for c in choices]
     assert all(len(o) == MAX_TOKENS["float32"] for o in outputs)
     reference = _teacher_forced(checkpoint, "float32", prompts, outputs, tmp_path)
@@ -160,6 +164,42 @@ def test_fp32_greedy_output_equals_transformers(servers, checkpoint, tmp_path):
         gaps = ref.max(dim=-1).values - chosen  # logprob gaps equal logit gaps
         bad = [(i, output[i], int(best[i]), float(gaps[i])) for i in range(len(output)) if gaps[i] >= MARGIN]
         assert not bad, f"prompt of {len(prompt)}: diverges from transformers at (pos, got, want, gap) {bad[:3]}"
+
+
+def test_fp32_greedy_output_equals_transformers(servers, checkpoint, tmp_path):
+    _assert_fp32_parity(servers["float32"].url, checkpoint, tmp_path)
+
+
+def _graph_steps(url: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("hkv_engine_graph_steps_total"))
+
+
+def test_moe_fp32_greedy_output_equals_transformers_through_graphs(builtin_dir, tmp_path, launch_command):
+    """Issue 36, acceptance 3: a tiny Qwen3-Next (8 experts, top-2, shared expert; every layer sparse) on
+    CUDA in fp32: its MoE layers run on the device (routing, sort, grouped GEMMs), its decode and short
+    prefill steps replay CUDA graphs, and every output token is transformers' greedy choice."""
+    import transformers as tf
+
+    from hkv.models.tiny import ensure_builtin
+
+    folder = tmp_path / "qwen3_next"
+    torch.manual_seed(7)
+    model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**MOE)).eval()
+    perturb(model, 7)
+    model.save_pretrained(folder)
+    copy_tokenizer(ensure_builtin("tiny-dense", builtin_dir), folder)
+    server = launch(["--model", str(folder), "--dtype", "float32", *FLAGS], tmp_path)
+    pids = server.actor_pids()
+    try:
+        assert "CUDA graphs:" in server.log(), server.log()
+        _assert_fp32_parity(server.url, folder, tmp_path)
+        assert _graph_steps(server.url) > 0
+    finally:
+        assert server.stop(signal.SIGTERM) == 0, server.log()
+    assert_clean(server, pids)
 
 
 def test_bf16_logprobs_match_transformers_bf16(servers, checkpoint, tmp_path):
