@@ -15,7 +15,8 @@ forward with MoE layers can be captured in a CUDA graph:
 
 The grouped GEMMs' grids are sized for the worst case (reference.padded_pairs) and their blocks past
 `used` return at once. Every pair's row is computed alone (no atomics), so results do not depend
-on the order in which blocks run. Tiles (moe_tile) are picked by the pairs per hit expert.
+on the order in which blocks run. Tiles (moe_tile) are picked by the pairs per hit expert. The pair
+count is not specialised on (do_not_specialize): every graph bucket reuses one compiled variant.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, stride_lt, num_experts,
     tl.store(ids_ptr + t * TOP_K + slots, chosen, mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, SCAN: tl.constexpr):
     expert = tl.program_id(0)
     offs = tl.arange(0, SCAN)
@@ -71,7 +72,7 @@ def _moe_count_kernel(ids_ptr, counts_ptr, num_pairs, SCAN: tl.constexpr):
     tl.store(counts_ptr + expert, tl.sum(hits, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_sort_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs, num_experts,
                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, SCAN: tl.constexpr):
     expert = tl.program_id(0)
@@ -97,7 +98,7 @@ def _moe_sort_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, used_ptr
         tl.store(block_expert_ptr + start // BLOCK_M + b + offs, expert, mask=b + offs < blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_at,
@@ -143,7 +144,7 @@ def _moe_gate_up_kernel(
     tl.store(out_ptrs, act.to(dtype), mask=valid[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
     act_ptr, w_ptr, route_ptr, y_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs, hidden, inter,
     stride_at, stride_we, stride_wn, stride_yt,
