@@ -15,6 +15,16 @@ folder also gets hkv's built-in tiny tokenizer and chat template: ids past its
 
 The shrinking flags (--layers, --hidden-size, --intermediate-size,
 --vocab-size) exist for tests; the head layout stays the benchmark model's.
+
+    python -m tools.make_bench_model OUT_DIR --moe [--layers 4] [--experts 512] ...
+
+`--moe` writes the MoE benchmark model instead: `qwen3_next` with Qwen3-Next-80B-A3B's layer
+shapes (hidden 2048; 512 experts of width 512, top-10, renormalised; a shared expert of 512 with
+its sigmoid gate; the GDN and attention heads above; every 4th layer full attention; untied
+embeddings, vocab 151,936), experts in the published per-expert layout
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`). Its layer count is a flag (default 4: 3 GDN + 1
+attention, 7.21 B parameters, 14.4 GB in bf16); it has no MTP layer. --experts,
+--experts-per-token, --moe-intermediate-size and --shared-expert-intermediate-size shrink it for tests.
 """
 
 from __future__ import annotations
@@ -22,8 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +47,9 @@ from hkv.models.tiny import ENDOFTEXT, IM_END, build_tokenizer, qwen3_5_text_con
 
 FULL_ATTENTION_INTERVAL = 4
 DEFAULTS = dict(layers=24, hidden_size=2048, intermediate_size=6144, vocab_size=151_936)
+# --moe: Qwen3-Next-80B-A3B's shapes, 4 layers (intermediate_size is its dense MLP's, unused: every layer is sparse)
+MOE_DEFAULTS = dict(layers=4, hidden_size=2048, intermediate_size=5120, vocab_size=151_936, experts=512,
+                    experts_per_token=10, moe_intermediate_size=512, shared_expert_intermediate_size=512)
 STD = 0.02  # projections and embeddings, transformers' initializer_range
 BYTES_PER_PARAM = 2  # bf16
 
@@ -70,6 +85,21 @@ def bench_config(layers: int, hidden_size: int, intermediate_size: int, vocab_si
         "initializer_range": STD,
         "mtp_num_hidden_layers": 1,  # one MTP layer (mtp.*), as released Qwen3.5 checkpoints have: --spec-tokens
     })
+
+
+def moe_bench_config(layers: int, hidden_size: int, intermediate_size: int, vocab_size: int, experts: int,
+                     experts_per_token: int, moe_intermediate_size: int, shared_expert_intermediate_size: int,
+                     eot: int, im_end: int) -> dict:
+    """config.json of the MoE benchmark model (Qwen3-Next-80B-A3B's layer shapes with MOE_DEFAULTS)."""
+    config = bench_config(layers, hidden_size, intermediate_size, vocab_size, eot, im_end)
+    for key in ("mtp_num_hidden_layers", "architectures"):
+        config.pop(key)
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+    return {**config, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+            "tie_word_embeddings": False, "num_experts": experts, "num_experts_per_tok": experts_per_token,
+            "moe_intermediate_size": moe_intermediate_size,
+            "shared_expert_intermediate_size": shared_expert_intermediate_size, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "full_attention_interval": FULL_ATTENTION_INTERVAL}
 
 
 @dataclass(frozen=True)
@@ -112,19 +142,48 @@ def _gdn_specs(p: str, cfg: dict) -> list[TensorSpec]:
             TensorSpec(a + "out_proj.weight", (h, value_dim), "normal")]
 
 
+def _next_gdn_specs(p: str, cfg: dict) -> list[TensorSpec]:
+    """Qwen3-Next's GDN: the fused in_proj_qkvz / in_proj_ba in place of Qwen3.5's four projections."""
+    h, hv = cfg["hidden_size"], cfg["linear_num_value_heads"]
+    key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    value_dim = hv * cfg["linear_value_head_dim"]
+    specs = [s for s in _gdn_specs(p, cfg) if ".in_proj_" not in s.name]
+    return [TensorSpec(p + "linear_attn.in_proj_qkvz.weight", (2 * key_dim + 2 * value_dim, h), "normal"),
+            TensorSpec(p + "linear_attn.in_proj_ba.weight", (2 * hv, h), "normal"), *specs]
+
+
+def _mlp_specs(p: str, cfg: dict) -> list[TensorSpec]:
+    """A dense SwiGLU MLP, or with num_experts the sparse block in the published per-expert layout."""
+    h = cfg["hidden_size"]
+
+    def swiglu(q: str, inter: int) -> list[TensorSpec]:
+        return [TensorSpec(q + "gate_proj.weight", (inter, h), "normal"),
+                TensorSpec(q + "up_proj.weight", (inter, h), "normal"),
+                TensorSpec(q + "down_proj.weight", (h, inter), "normal")]
+
+    if not cfg.get("num_experts"):
+        return swiglu(p + "mlp.", cfg["intermediate_size"])
+    specs = [TensorSpec(p + "mlp.gate.weight", (cfg["num_experts"], h), "normal")]
+    for e in range(cfg["num_experts"]):
+        specs += swiglu(f"{p}mlp.experts.{e}.", cfg["moe_intermediate_size"])
+    return specs + swiglu(p + "mlp.shared_expert.", cfg["shared_expert_intermediate_size"]) + [
+        TensorSpec(p + "mlp.shared_expert_gate.weight", (1, h), "normal")]
+
+
 def tensor_specs(cfg: dict) -> list[TensorSpec]:
     """Every tensor of the checkpoint in file order (tied: no lm_head)."""
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    h = cfg["hidden_size"]
+    gdn = _next_gdn_specs if cfg["model_type"] == "qwen3_next" else _gdn_specs
     specs = [TensorSpec("model.embed_tokens.weight", (cfg["vocab_size"], h), "normal")]
     for i, layer_type in enumerate(cfg["layer_types"]):
         p = f"model.layers.{i}."
         specs.append(TensorSpec(p + "input_layernorm.weight", (h,), "zeros"))
-        specs += _gdn_specs(p, cfg) if layer_type == "linear_attention" else _attention_specs(p, cfg)
+        specs += gdn(p, cfg) if layer_type == "linear_attention" else _attention_specs(p, cfg)
         specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), "zeros"))
-        specs += [TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "normal"),
-                  TensorSpec(p + "mlp.up_proj.weight", (inter, h), "normal"),
-                  TensorSpec(p + "mlp.down_proj.weight", (h, inter), "normal")]
+        specs += _mlp_specs(p, cfg)
     specs.append(TensorSpec("model.norm.weight", (h,), "zeros"))
+    if not cfg["tie_word_embeddings"]:
+        specs.append(TensorSpec("lm_head.weight", (cfg["vocab_size"], h), "normal"))
     return specs + _mtp_specs(cfg)
 
 
@@ -192,15 +251,17 @@ def write_weights(out_dir: Path, specs: list[TensorSpec], seed: int, shard_bytes
     weight_map = {}
     bar = tqdm(total=sum(s.numel for s in specs), unit="param", unit_scale=True, desc="weights",
                file=sys.stderr, disable=not progress)
-    for number, shard in enumerate(shards, start=1):
-        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for spec in shard:
-            tensors[spec.name] = make_tensor(spec, seed)
-            weight_map[spec.name] = file_name
-            bar.update(spec.numel)
-        save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
-        del tensors
+    # tensors of a shard are drawn on every core (torch releases the GIL); each from its own generator
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for number, shard in enumerate(shards, start=1):
+            file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+            tensors = {}
+            for spec, tensor in zip(shard, pool.map(lambda spec: make_tensor(spec, seed), shard)):
+                tensors[spec.name] = tensor
+                weight_map[spec.name] = file_name
+                bar.update(spec.numel)
+            save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
+            del tensors
     bar.close()
     total = sum(s.numel for s in specs) * BYTES_PER_PARAM
     _write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total},
@@ -208,14 +269,18 @@ def write_weights(out_dir: Path, specs: list[TensorSpec], seed: int, shard_bytes
 
 
 def write_bench_model(out_dir: Path, seed: int = 0, shard_gb: float = 2.0, progress: bool = True,
-                      **dims: int) -> dict:
-    """Write the benchmark model into out_dir (created; must be empty); dims override DEFAULTS. Returns its config."""
+                      moe: bool = False, **dims: int) -> dict:
+    """Write the benchmark model (moe: the MoE one) into out_dir (created; must be empty); dims override
+    DEFAULTS (MOE_DEFAULTS). Returns its config."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} is not empty")
     tok = build_tokenizer()
     eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
-    config = bench_config(**{**DEFAULTS, **dims}, eot=eot, im_end=im_end)
+    if moe:
+        config = moe_bench_config(**{**MOE_DEFAULTS, **dims}, eot=eot, im_end=im_end)
+    else:
+        config = bench_config(**{**DEFAULTS, **dims}, eot=eot, im_end=im_end)
     if config["vocab_size"] < tok.get_vocab_size(with_added_tokens=True):
         raise ValueError(f"vocab_size {config['vocab_size']} is below the tokenizer's "
                          f"{tok.get_vocab_size(with_added_tokens=True)} tokens")
@@ -233,17 +298,28 @@ def main(argv: list[str] | None = None) -> int:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", type=Path, help="folder to write (created; must be empty)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
-    for key, value in DEFAULTS.items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=value,
-                       help=f"{key.replace('_', ' ')}; smaller only for tests (default: {value})")
+    p.add_argument("--moe", action="store_true",
+                   help="the MoE benchmark model (qwen3_next, Qwen3-Next-80B-A3B's layer shapes) instead")
+    for key in MOE_DEFAULTS:
+        dense, moe = DEFAULTS.get(key), MOE_DEFAULTS[key]
+        default = f"{dense}, with --moe {moe}" if dense is not None and dense != moe else str(moe)
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+                       help=f"{key.replace('_', ' ')}; smaller only for tests{'' if dense else ' (--moe)'} "
+                            f"(default: {default})")
     p.add_argument("--shard-gb", type=float, default=2.0, help="safetensors shard size in GB (default: 2.0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (default: shown)")
     args = p.parse_args(argv)
-    dims = {key: getattr(args, key) for key in DEFAULTS}
+    defaults = MOE_DEFAULTS if args.moe else DEFAULTS
+    given = {key for key in MOE_DEFAULTS if getattr(args, key) is not None}
+    if not args.moe and given - set(DEFAULTS):
+        p.error(f"--{sorted(given - set(DEFAULTS))[0].replace('_', '-')} needs --moe")
+    dims = {key: defaults[key] if getattr(args, key) is None else getattr(args, key) for key in defaults}
     if min(dims.values()) < 1 or not args.shard_gb > 0:
-        p.error("--layers, --hidden-size, --intermediate-size, --vocab-size and --shard-gb must be positive")
+        p.error("the model's dimensions and --shard-gb must be positive")
+    if args.moe and dims["experts_per_token"] > dims["experts"]:
+        p.error(f"--experts-per-token {dims['experts_per_token']} exceeds --experts {dims['experts']}")
     try:
-        config = write_bench_model(args.out_dir, args.seed, args.shard_gb, not args.no_progress, **dims)
+        config = write_bench_model(args.out_dir, args.seed, args.shard_gb, not args.no_progress, args.moe, **dims)
     except (FileExistsError, ValueError) as exc:
         p.error(str(exc))
     count = parameter_count(config)

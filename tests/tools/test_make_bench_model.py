@@ -12,7 +12,9 @@ from safetensors import safe_open
 
 from hkv.models.loader import load_model
 from tests.models.test_qwen3_5 import TOL, ragged_parity
-from tools.make_bench_model import DEFAULTS, bench_config, main, make_tensor, parameter_count, tensor_specs
+from tools.make_bench_model import (
+    DEFAULTS, MOE_DEFAULTS, bench_config, main, make_tensor, moe_bench_config, parameter_count, tensor_specs,
+)
 
 SMALL = ["--layers", "4", "--hidden-size", "64", "--intermediate-size", "128", "--vocab-size", "2048"]
 
@@ -79,3 +81,37 @@ def test_refuses_a_non_empty_folder_and_a_small_vocab(tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "not empty" in err[0] and "below the tokenizer" in err[1]
+
+
+MOE_SMALL = ["--moe", "--layers", "4", "--hidden-size", "64", "--vocab-size", "2048", "--experts", "8",
+             "--experts-per-token", "2", "--moe-intermediate-size", "32", "--shared-expert-intermediate-size", "48"]
+
+
+def test_moe_full_size_layout():
+    cfg = moe_bench_config(**MOE_DEFAULTS, eot=0, im_end=2)
+    assert cfg["model_type"] == "qwen3_next" and not cfg["tie_word_embeddings"]
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (512, 10, 512)
+    assert parameter_count(cfg) == 7_210_003_520  # 14.4 GB in bf16: fits the GPU machine's disk and memory
+    names = {s.name for s in tensor_specs(cfg)}
+    assert "model.layers.3.mlp.experts.511.down_proj.weight" in names and "lm_head.weight" in names
+    assert not any(n.startswith("mtp.") for n in names)
+
+
+def test_moe_model_loads_alike_in_hkv_and_transformers(tmp_path):
+    folder = tmp_path / "moe"
+    assert main([str(folder), *MOE_SMALL, "--no-progress"]) == 0
+    ref, info = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert isinstance(ref, tf.Qwen3NextForCausalLM)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ours = load_model(folder, "float32", "cpu").model
+    assert ragged_parity(ours, ref.eval(), 2048) < TOL
+
+
+def test_moe_flags_need_moe(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "m"), "--experts", "8"])
+    assert exc.value.code == 2 and "--experts needs --moe" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "m"), *MOE_SMALL, "--experts-per-token", "9"])
+    assert exc.value.code == 2 and "exceeds --experts 8" in capsys.readouterr().err
