@@ -8,7 +8,10 @@ prints the step time, the memory roofline of the step (weights + KV read + fp32
 recurrent state read and written, at the measured copy bandwidth) and the ratio,
 and, with --profile, kernels per step and GPU busy time against wall time.
 
-    python -m tools.bench_decode [--batches 1,32,64] [--context 576] [--json out.json] [--profile]
+    python -m tools.bench_decode [--batches 1,32,64] [--context 576] [--json out.json] [--profile] [--moe]
+
+--moe builds the MoE benchmark model's architecture instead (tools/make_bench_model.py --moe: Qwen3-Next-80B's
+layer shapes, 4 layers); its roofline counts only the experts a batch touches (tools/moe_roofline.py).
 
 This measures the engine under the router; served numbers come from hkv-bench.
 """
@@ -26,7 +29,7 @@ import torch
 from hkv.engine.model_runner import ModelRunner
 from hkv.ipc.messages import Chunk, NewSequence, SamplingParams, StepPlan
 from hkv.ipc.request_table import RequestTable, TableLayout
-from hkv.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
+from hkv.models.registry import resolve_family
 from hkv.storage.kv_pool import KVPool
 from hkv.storage.state_pool import StatePool
 
@@ -43,9 +46,10 @@ PAGE = 16
 
 def build_model(config: dict, seed: int = 0) -> torch.nn.Module:
     """The architecture with random bf16 weights on the GPU (std 0.02; norms at their neutral values)."""
-    cfg = Qwen3_5Config.from_hf(config)
+    family = resolve_family(config)
+    cfg = family.config_class.from_hf(config)
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(cfg)
+        model = family(cfg)
     model = model.to(dtype=torch.bfloat16).to_empty(device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     with torch.no_grad():
@@ -63,11 +67,23 @@ def build_model(config: dict, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def moe_config() -> dict:
+    """config.json of the MoE benchmark model (tools/make_bench_model.py --moe)."""
+    from tools.make_bench_model import MOE_DEFAULTS, moe_bench_config
+
+    return moe_bench_config(**MOE_DEFAULTS, eot=0, im_end=2)
+
+
 def roofline_ms(model, batch: int, context: int, bandwidth: float) -> float:
     """Bytes a decode step must move at least, over the copy bandwidth: weights once, every
     sequence's KV read, every fp32 recurrent and conv state read and written."""
     cfg = model.cfg
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." not in name)
+    if getattr(cfg, "num_experts", 0):  # MoE: the experts this batch touches (tools/moe_roofline.py)
+        from tools.moe_roofline import touched_experts
+
+        experts = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
+        weights += touched_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) / cfg.num_experts * experts
     kv = batch * context * len(cfg.full_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     state = model.state_layout(1).bytes_per_slot
     return (weights + kv + 2 * batch * state) / bandwidth * 1e3
@@ -197,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed", action="store_true",
                         help="also time prefill steps: decodes plus one 128-token prompt, and B prompts of 128 "
                              "tokens after a cached prefix (as the cost model picks, then eager)")
+    parser.add_argument("--moe", action="store_true", help="the MoE benchmark model's architecture instead")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -204,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     batches = [int(b) for b in args.batches.split(",")]
     bw = copy_bandwidth()
-    model = build_model(BENCH_CONFIG)
+    model = build_model(moe_config() if args.moe else BENCH_CONFIG)
     params = sum(p.numel() for p in model.parameters())
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; model {params / 1e9:.2f} B params",
           flush=True)

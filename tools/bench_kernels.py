@@ -1,6 +1,6 @@
 """Kernel benchmark on one CUDA GPU: every hkv kernel against the ceilings and the best baseline.
 
-    python3 -m tools.bench_kernels [--json out.json] [--only decode,prefill,...]
+    python3 -m tools.bench_kernels [--json out.json] [--only decode,prefill,moe,...]
 
 (as a module: tools/inspect.py would shadow the standard library run as a script).
 
@@ -454,10 +454,24 @@ def bench_gemm() -> None:
         ROWS.append(dict(kernel="gemm_step_total", shape=f"M{rows}", ms=ms))
 
 
+def bench_moe() -> None:
+    """The fused MoE against the per-expert loop and torch._grouped_mm (tools/bench_moe_kernels.py)."""
+    from tools.bench_moe_kernels import bench_moe as run
+
+    run(row, bench)
+
+
+def bench_moe_sweep() -> None:
+    from tools.bench_moe_kernels import bench_moe_sweep as run
+
+    run(row, bench)
+
+
 SECTIONS = {
     "sweep": bench_sweep, "gemm": bench_gemm, "decode_short": bench_decode_short,
     "decode": bench_decode_attention, "prefill": bench_prefill_attention, "gdn_prefill": bench_gdn_prefill,
     "gdn_decode": bench_gdn_decode, "conv": bench_conv1d, "copy": bench_cache_copies, "fused": bench_fused_ops,
+    "moe": bench_moe, "moe_sweep": bench_moe_sweep,
 }
 
 
