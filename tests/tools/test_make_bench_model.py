@@ -57,12 +57,17 @@ def test_tensors_depend_only_on_seed_and_name():
     assert not torch.equal(make_tensor(spec, 0), make_tensor(spec, 1))
 
 
-def test_hkv_and_transformers_load_it_alike(small_model):
-    ref, info = tf.AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32, output_loading_info=True)
-    assert isinstance(ref, tf.Qwen3_5ForCausalLM)
+def _loads_alike(folder, cls) -> None:
+    """transformers loads every tensor of the folder into `cls`, and hkv's model computes its logits."""
+    ref, info = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert isinstance(ref, cls)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    ours = load_model(small_model, "float32", "cpu").model
+    ours = load_model(folder, "float32", "cpu").model
     assert ragged_parity(ours, ref.eval(), 2048) < TOL
+
+
+def test_hkv_and_transformers_load_it_alike(small_model):
+    _loads_alike(small_model, tf.Qwen3_5ForCausalLM)
 
 
 def test_prints_the_parameter_count(tmp_path, capsys):
@@ -101,11 +106,7 @@ def test_moe_full_size_layout():
 def test_moe_model_loads_alike_in_hkv_and_transformers(tmp_path):
     folder = tmp_path / "moe"
     assert main([str(folder), *MOE_SMALL, "--no-progress"]) == 0
-    ref, info = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
-    assert isinstance(ref, tf.Qwen3NextForCausalLM)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    ours = load_model(folder, "float32", "cpu").model
-    assert ragged_parity(ours, ref.eval(), 2048) < TOL
+    _loads_alike(folder, tf.Qwen3NextForCausalLM)
 
 
 def test_moe_flags_need_moe(tmp_path, capsys):
