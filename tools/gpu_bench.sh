@@ -34,27 +34,7 @@ wants() { [[ ,$parts, == *,$1,* ]]; }
 wants spec && parts="$parts,spec-test,spec-bench,spec-tiny"  # spec: all three speculative parts
 say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
-start() {  # start NAME [flags...]: a server on $PORT, waits for /ready; ROOT=dir serves that tree's hkv
-  local name=$1; shift
-  # python -c puts the working directory first on sys.path: start it in the tree it serves
-  (cd "${ROOT:-.}" && exec env PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
-    'from hkv.launcher import main; main()' --model "$MODEL" --device "$DEVICE" --port "$PORT" --name "$name" \
-    "$@" >"/tmp/$name.out" 2>"/tmp/$name.err") &
-  SERVER_PID=$!
-  for _ in $(seq 1 "${START_WAIT:-600}"); do  # half-seconds: a cold GPU compiles and autotunes at start-up
-    curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && { grep -h "KV pool\|CUDA graphs\|prefill graphs\|serving" \
-      "/tmp/$name.err" "/tmp/$name.out" | tee -a "$LOG"; return 0; }
-    kill -0 "$SERVER_PID" 2>/dev/null || break
-    sleep 0.5
-  done
-  say "server $name did not start"; tail -30 "/tmp/$name.err" | tee -a "$LOG"
-  kill -KILL "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; SERVER_PID=; return 1
-}
-
-stop() {
-  [[ -n $SERVER_PID ]] && kill -TERM "$SERVER_PID" 2>/dev/null && wait "$SERVER_PID" 2>/dev/null
-  SERVER_PID=
-}
+source tools/gpu_server.sh  # start NAME [flags...], stop
 
 bench() {  # bench TAG [hkv-bench flags...]
   local tag=$1; shift

@@ -4,7 +4,8 @@
 # in-process decode step of the MoE benchmark model, and its served numbers (tools/make_bench_model.py --moe,
 # a real hkv-launch server driven by hkv-bench at concurrency 1, 32 and 64, HF generate at 32, the roofline).
 #   run: bash tools/gpu_moe.sh [parts: tests,launch,bench,sweep,decode,served; default all]
-# Results: $OUT/*.json and logs in $OUT/gpu_moe.log; carry .whl (fla-core and the serving wheels).
+# Results: $OUT/*.json and logs in $OUT/gpu_moe.log; carry .whl (fla-core and the serving wheels). GPU_FRACTION
+# (default 0.8) is the server's --gpu-memory-fraction: HF's baseline shares the GPU (0.6 on an 80 GB card).
 set -uo pipefail
 OUT=${OUT:-.out}
 mkdir -p "$OUT"
@@ -61,20 +62,7 @@ for row in json.load(open(sys.argv[1]))["rows"]:
 EOF
 fi
 
-start() {  # start NAME [flags...]: a server on $PORT, waits for /ready
-  local name=$1; shift
-  python3 -c 'from hkv.launcher import main; main()' --model "$MODEL" --device cuda --port "$PORT" --name "$name" \
-    "$@" >"/tmp/$name.out" 2>"/tmp/$name.err" &
-  SERVER_PID=$!
-  for _ in $(seq 1 1200); do
-    curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && { grep -h "KV pool\|CUDA graphs\|prefill graphs\|serving\|loaded" \
-      "/tmp/$name.err" "/tmp/$name.out" | cut -c1-220 | tee -a "$LOG"; return 0; }
-    kill -0 "$SERVER_PID" 2>/dev/null || break
-    sleep 0.5
-  done
-  say "server $name did not start"; tail -30 "/tmp/$name.err" | tee -a "$LOG"
-  kill -KILL "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; SERVER_PID=; return 1
-}
+source tools/gpu_server.sh  # start NAME [flags...]
 
 if wants served; then
   if [[ ! -d $MODEL ]]; then
@@ -82,7 +70,7 @@ if wants served; then
     timeout 300 python3 -m tools.make_bench_model "$MODEL" --moe --no-progress 2>&1 | tail -2 | tee -a "$LOG"
   fi
   say "server: the MoE benchmark model, bf16, 64 running, 0.8 of the GPU (HF's baseline shares it)"
-  start s_moe --max-running-requests 64 --gpu-memory-fraction 0.8 && {
+  start s_moe --max-running-requests 64 --gpu-memory-fraction "${GPU_FRACTION:-0.8}" && {
     results=()
     for c in 1 32 64; do
       n=$((c == 1 ? 4 : 2 * c))
