@@ -18,6 +18,7 @@ import msgspec
 
 from hkv.config import HkvConfig
 from hkv.engine import sizing
+from hkv.engine.logits_process import GrammarLoader, LogitsProcessor
 from hkv.engine.model_runner import ModelRunner
 from hkv.engine.prefill_graphs import SHORT_CHUNK_TOKENS
 from hkv.ipc import request_table
@@ -81,6 +82,7 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
                          max_tokens=cfg.scheduler.chunked_prefill_size + cfg.scheduler.max_running_requests,
                          graph_max_bs=0 if drafting else cfg.model.cuda_graph_max_bs,  # drafting: verify graphs
                          checkpoint_interval=cfg.cache.checkpoint_interval)
+    runner.processor = LogitsProcessor(model.cfg.vocab_size, runner.device, _grammar_loader(cfg, model.cfg.vocab_size))
     if drafting:
         spec.attach(runner, draft, cfg.spec.spec_tokens, slots + extra, cfg.spec.oracle, cfg.model.cuda_graph_max_bs)
         log.info("speculative decoding: %d MTP drafts a step, draft window %s, %.1f KiB of drafter state a slot",
@@ -106,6 +108,12 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
                  len(verify_graphs.graphs), verify_graphs.max_bs, verify_graphs.q,
                  ", drafter included" if verify_graphs.ring else "", seconds)
     return runner, pages, slots
+
+
+def _grammar_loader(cfg: HkvConfig, vocab_size: int) -> GrammarLoader:
+    """Structured output's tokenizer view, built in a thread while the rank starts."""
+    path = os.path.join(cfg.model.path, "tokenizer.json")
+    return GrammarLoader(path if os.path.isfile(path) else None, vocab_size, cfg.model.spec.eos_ids)
 
 
 def _share_pools(cfg: HkvConfig, runner: ModelRunner) -> None:
@@ -258,6 +266,7 @@ async def _step_loop(ctx: ActorContext, inbox, outbox, runner: ModelRunner) -> N
         launched = runner.launch(msg)
         if running is not None:
             await _answer(ctx, inbox, outbox, runner, running)
+        runner.complete(launched)  # a step with grammar rows samples now, its masks built while it runs
         running = launched
 
 

@@ -30,6 +30,7 @@ from hkv.cache.types import (
     LoadPages, LoadState, PeerCopy, PeerRecv, PeerSend, RestoreCheckpoint, SaveCheckpoint, StorePages, StoreState,
 )  # fmt: skip
 from hkv.engine.cuda_graphs import DecodeGraphs
+from hkv.engine.logits_process import LogitsProcessor
 from hkv.engine.pair_transfers import PairTransferError
 from hkv.engine.prefill_graphs import PrefillGraphs, StepParts
 from hkv.engine.sampler import PendingSample, SampleRow, sample_async
@@ -59,6 +60,17 @@ def _log_peer_copies(timings: list) -> None:
 
 
 @dataclass
+class LateSample:
+    """A step whose sampling waits for the previous step's tokens (a grammar row's matcher needs them):
+    its logits and rows, sampled by `ModelRunner.complete`."""
+
+    logits: torch.Tensor  # [S, vocab]
+    sample_rows: torch.Tensor  # [S] request-table rows on the device (where last_tokens goes)
+    rows: list[SampleRow]
+    processed: list[int]  # indexes of the processed rows (hkv/engine/logits_process.py)
+
+
+@dataclass
 class Launched:
     """A plan the device is running: what `finish` needs to answer it."""
 
@@ -70,10 +82,12 @@ class Launched:
     spec_out: list[Sampled] | None = None  # speculative decoding: the step's answers, already on the host
     peer_timings: list | None = None  # CUDA events around its peer copies (logged once it is answered)
     graph: int = STEP_EAGER  # how its forward ran (StepResult.graph)
+    late: LateSample | None = None  # sampled by `complete`, after the previous step's answer
+    matched: dict[int, int] | None = None  # slot -> req_id of its grammar rows: their matchers take the tokens
 
     def done(self) -> bool:
         """The device finished it (its sampled ids are on the host)."""
-        return self.sample is None or self.sample.done()
+        return self.late is None and (self.sample is None or self.sample.done())
 
 
 class ModelRunner:
@@ -93,6 +107,9 @@ class ModelRunner:
         self.page_size = page_size
         self.device = torch.device(device)
         self.sampling: dict[int, SamplingParams] = {}  # slot -> params of the sequence in it
+        # bias, penalties and grammar masks of the sequences that ask for them; set by the rank (with its
+        # grammar loader), a plain processor without grammars otherwise
+        self.processor = LogitsProcessor(model.cfg.vocab_size, self.device, None)
         self.state_slots: dict[int, int] = {}  # slot -> live linear-state slot of its sequence
         # the token each request-table row sampled last, where the device wrote it: a plan sent
         # before that token's result was in feeds it in from here (Chunk.follows)
@@ -196,28 +213,58 @@ class ModelRunner:
                 self._reset_fresh_states(plan)
                 if self.spec is not None:
                     out, graph = self.spec.run(plan)
-                    return Launched(plan, [s.slot for s in out], None, started, spec_out=out, graph=graph)
+                    return Launched(plan, [s.slot for s in out], None, started, spec_out=out, graph=graph,
+                                    matched=self.processor.matched([s.slot for s in out]))
                 logits, sample_rows, graph = self.forward(plan)  # [S, vocab], [S], how it ran
+                slots = [c.slot for c in plan.chunks if c.sample]
                 rows = [SampleRow(self.sampling[c.slot], c.start_pos + len(c.token_ids))
                         for c in plan.chunks if c.sample]
-                pending = sample_async(logits, rows)
-                if rows:
-                    self.last_tokens.index_copy_(0, sample_rows, pending.ids)
+                processed = self.processor.rows(slots)
+                matched = self.processor.matched(slots)
+                late = LateSample(logits, sample_rows, rows, processed)
+                if processed and self.processor.behind(slots):  # sampled once the step before is answered
+                    return Launched(plan, slots, None, started, peer_timings=timings, graph=graph, late=late,
+                                    matched=matched)
+                pending = self._sample(slots, late)
         except Exception as exc:  # a failed step fails its requests, not the rank
             # a pair transfer the failure kept from its worker ends now: its router must not wait for it
             self._refused += [TransferDone(op.transfer_id, False, f"its step failed first: {type(exc).__name__}")
                               for op in plan.ops if isinstance(op, (PeerSend, PeerRecv))
                               and op.transfer_id not in self._handed]
             return Launched(plan, [], None, started, f"{type(exc).__name__}: {exc}")
-        return Launched(plan, [c.slot for c in plan.chunks if c.sample], pending, started, peer_timings=timings,
-                        graph=graph)
+        return Launched(plan, slots, pending, started, peer_timings=timings, graph=graph, matched=matched)
+
+    def _sample(self, slots: list[int], late: LateSample) -> PendingSample:
+        """Process and sample a step's logits; the ids land in last_tokens on the device."""
+        if late.processed:
+            self.processor.apply(late.logits, slots, late.processed)
+        pending = sample_async(late.logits, late.rows)
+        if late.processed:
+            self.processor.sampled(slots, late.processed, pending.ids)
+        if late.rows:
+            self.last_tokens.index_copy_(0, late.sample_rows, pending.ids)
+        return pending
+
+    def complete(self, launched: "Launched") -> None:
+        """Sample a launched step that waited for its predecessor's tokens (`Launched.late`); the rank calls
+        this once that step is answered, while the forward still runs on the device. No-op otherwise."""
+        late, launched.late = launched.late, None
+        if late is None or launched.error is not None:
+            return
+        try:
+            with torch.inference_mode():
+                launched.sample = self._sample(launched.slots, late)
+        except Exception as exc:  # as a failed launch: the step fails its requests
+            launched.error = f"{type(exc).__name__}: {exc}"
 
     def finish(self, launched: "Launched") -> StepResult:
         """Wait for a launched plan's sampled ids (only they, and requested logprobs, come back)."""
         plan = launched.plan
+        self.complete(launched)
         if launched.error is not None:
             return StepResult(plan.step, [], 0.0, launched.error, transfers=self._transfers())
         if launched.spec_out is not None:
+            self._consume(launched, launched.spec_out)
             return StepResult(plan.step, launched.spec_out, time.perf_counter() - launched.started,
                               graph=launched.graph, transfers=self._transfers())
         outs = launched.sample.outputs() if launched.sample is not None else []
@@ -225,14 +272,26 @@ class ModelRunner:
         if launched.peer_timings:
             _log_peer_copies(launched.peer_timings)
         sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(launched.slots, outs)]
+        self._consume(launched, sampled)
         return StepResult(plan.step, sampled, forward_s, graph=launched.graph, transfers=self._transfers())
+
+    def _consume(self, launched: "Launched", sampled: list[Sampled]) -> None:
+        """Grammar rows' matchers take the tokens their step emitted."""
+        if not launched.matched:
+            return
+        for s in sampled:
+            req_id = launched.matched.get(s.slot)
+            if req_id is not None:
+                self.processor.consume(s.slot, req_id, [s.token_id, *(e.token_id for e in s.extra)])
 
     def _take_membership(self, plan: StepPlan) -> None:
         for slot in plan.freed:
             self.sampling.pop(slot, None)
             self.state_slots.pop(slot, None)
+            self.processor.drop(slot)
         for seq in plan.new:
             self.sampling[seq.slot] = seq.sampling
+            self.processor.admit(seq)
             if seq.state_slot is not None:
                 self.state_slots[seq.slot] = seq.state_slot
             if self.pages is not None:

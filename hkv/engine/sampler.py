@@ -4,8 +4,10 @@ Greedy rows take the argmax. Random rows draw from a generator seeded by
 (request seed, position of the sampled token), so a request's tokens do not
 depend on what else shares its batch, nor on preemption and recompute.
 Every valid parameter gives a distribution to draw from: a temperature below
-GREEDY_BELOW is greedy (dividing by it overflows), and top-p always keeps the
-most likely token (a top_p below float32's resolution would keep none).
+GREEDY_BELOW is greedy (dividing by it overflows), and top-p and min-p always keep
+the most likely token (a top_p below float32's resolution would keep none). A
+random row applies temperature, top-k, top-p, then min-p; the logits arrive
+processed already (bias, penalties, grammar: hkv/engine/logits_process.py).
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def _draw(logits: torch.Tensor, row: SampleRow) -> int:
     probs = torch.softmax(scaled, dim=-1)  # [V]
     if params.top_p < 1.0:
         probs = _top_p_filter(probs, params.top_p)
+    if params.min_p > 0.0:  # the most likely token always stays
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     gen = torch.Generator(device=probs.device)
     gen.manual_seed((params.seed * _MIX + row.position) & 0x7FFF_FFFF_FFFF_FFFF)
     return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -127,7 +127,9 @@ class SpecDecoder:
             self.propose.observe(plan)
         if any(c.follows for c in chunks):
             raise ValueError("a drafting rank got a chunk planned ahead of its result (Chunk.follows)")
-        graphed = self.graphs.take(chunks) if self.graphs is not None else []
+        # rows with bias, penalties or a grammar run eagerly: their logits are processed on the way to sampling
+        processed = set(self.runner.processor.processed_slots([c.slot for c in chunks if c.sample]))
+        graphed = self.graphs.take([c for c in chunks if c.slot not in processed]) if self.graphs is not None else []
         drafted: dict[int, list[int]] = {}  # slot -> proposals drafted in a graph
         out: dict[int, tuple[list, list[int], torch.Tensor]] = {}  # slot -> (emitted, committed tokens, hidden)
         if graphed:
@@ -138,7 +140,7 @@ class SpecDecoder:
         if plain:
             logits, hidden = self._forward(plain, verify_rows=False)
             rows = [c for c in plain if c.sample]
-            outs = sample(logits, [self.row(c, c.start_pos + len(c.token_ids)) for c in rows]) if rows else []
+            outs = self._sample(logits, rows) if rows else []
             emitted = dict(zip((c.slot for c in rows), outs))
             start = 0
             for c in plain:
@@ -162,6 +164,19 @@ class SpecDecoder:
                 by_slot[c.slot] = self._sampled(c, out[c.slot], drafted[c.slot])
         graph = STEP_VERIFY_GRAPHS if graphed and not eager else STEP_EAGER
         return [by_slot[c.slot] for c in chunks if c.sample], graph
+
+    def _sample(self, logits: torch.Tensor, rows: list[Chunk]) -> list:
+        """The plain rows' tokens, their logits processed first where they ask for it (their drafts are off:
+        hkv/engine/speculating.py)."""
+        processor, slots = self.runner.processor, [c.slot for c in rows]
+        processed = processor.rows(slots)
+        if processed:
+            processor.apply(logits, slots, processed)
+        outs = sample(logits, [self.row(c, c.start_pos + len(c.token_ids)) for c in rows])
+        if processed:
+            ids = torch.tensor([o.token_id for o in outs], dtype=torch.long).to(logits.device)
+            processor.sampled(slots, processed, ids)
+        return outs
 
     def row(self, c: Chunk, position: int | None = None) -> SampleRow:
         """The sampling row of a chunk's first emitted token (or of `position`)."""

@@ -78,7 +78,7 @@ def verify(logits: torch.Tensor, drafts: list[int], row: SampleRow, targets: lis
 
 def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The weights `sampler._draw` samples from, for logits [..., vocab]: temperature,
-    then top_k, then top_p. Not renormalized after top_p (multinomial does not need it);
+    then top_k, then top_p, then min_p. Not renormalized after top_p (multinomial does not need it);
     on a 1-D row it performs `_draw`'s operations exactly, so draws from it match."""
     scaled = logits.float() / params.temperature
     if params.top_k is not None and params.top_k < scaled.shape[-1]:
@@ -91,6 +91,8 @@ def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = mass_before >= params.top_p
         drop[..., 0] = False  # the most likely token stays, however small top_p is
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs
 
 

@@ -31,6 +31,8 @@ class Speculating:
 
             kv_len n   [x_n d_1 .. d_k]   n + k + 1 <= the next multiple of the page size
         """
+        if seq.sampling.processed:  # the verify step samples raw logits: such a sequence decodes one token a step
+            return 0
         room = min(len(seq.proposals), self.limits.spec_tokens, budget - 1,
                    seq.sampling.max_tokens - len(seq.output_ids) - 1, self.limits.max_context - seq.total_len - 1)
         if self.limits.hybrid and self.coord.spec.prefix_cache:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hkv.ipc.messages import GenerateRequest, SamplingParams, StepPlan, StepResult
+from hkv.ipc.messages import (
+    CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS, MAX_LOGIT_BIAS, GenerateRequest, SamplingParams, StepPlan, StepResult,
+)  # fmt: skip
 
 INT64_MAX = 2**63 - 1  # request-table req_id is int64
 MAX_LOGPROBS = 20  # alternatives per token a sequence may ask for
@@ -96,6 +98,30 @@ def _sampling(s: SamplingParams, vocab_size: int) -> str | None:
         return f"top_k {s.top_k}"
     if s.logprobs is not None and not 0 <= s.logprobs <= min(MAX_LOGPROBS, vocab_size):
         return f"logprobs {s.logprobs}"
+    return _processing(s, vocab_size)
+
+
+def _within(value: float, low: float, high: float) -> bool:
+    return math.isfinite(value) and low <= value <= high
+
+
+def _processing(s: SamplingParams, vocab_size: int) -> str | None:
+    """The fields hkv/engine/logits_process.py uses (token ids as indexes, sizes of masks)."""
+    if not _within(s.min_p, 0.0, 1.0):
+        return f"min_p {s.min_p}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not _within(getattr(s, name), -2.0, 2.0):
+            return f"{name} {getattr(s, name)}"
+    if not (_within(s.repetition_penalty, 0.0, 2.0) and s.repetition_penalty > 0):
+        return f"repetition_penalty {s.repetition_penalty}"
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        return f"a logit_bias of {len(s.logit_bias)} tokens (at most {MAX_LOGIT_BIAS})"
+    for token, bias in s.logit_bias.items():
+        if not 0 <= token < vocab_size or not _within(bias, -100.0, 100.0):
+            return f"logit_bias {token}: {bias}"
+    c = s.constraint
+    if c is not None and (c.kind not in CONSTRAINT_KINDS or len(c.spec) > MAX_CONSTRAINT_CHARS):
+        return f"a {c.kind!r} constraint of {len(c.spec)} characters"
     return None
 
 

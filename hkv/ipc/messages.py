@@ -17,8 +17,25 @@ import msgspec
 from hkv.cache.types import CacheOp
 
 
+class Constraint(msgspec.Struct, frozen=True, array_like=True):
+    """Output a sequence must keep to, enforced by token masks (hkv/engine/grammar.py)."""
+
+    kind: str  # CONSTRAINT_KINDS: "json_schema" (spec: a JSON schema as text), "regex", "lark" (llguidance's Lark)
+    spec: str  # at most MAX_CONSTRAINT_CHARS characters
+
+
+CONSTRAINT_KINDS = ("json_schema", "regex", "lark")
+MAX_CONSTRAINT_CHARS = 65536
+MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias (OpenAI's bound)
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
-    """How one sequence picks its tokens; validated by the api before queueing."""
+    """How one sequence picks its tokens; validated by the api before queueing.
+
+    The logits of a row go through, in order: logit_bias, repetition_penalty, frequency_penalty and
+    presence_penalty, the constraint's mask (hkv/engine/logits_process.py); then temperature, top_k,
+    top_p and min_p (hkv/engine/sampler.py). Logprobs are those of the processed logits, before temperature.
+    """
 
     max_tokens: int  # completion tokens to generate at most (>= 1)
     temperature: float = 0.0  # 0 means greedy
@@ -27,6 +44,18 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int = 0  # per-request generator seed (the api draws one when the client gives none)
     ignore_eos: bool = False  # keep generating past EOS until max_tokens
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token's logprob plus the top n
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p times the most likely one (random rows)
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted once per time the output holds the token
+    repetition_penalty: float = 1.0  # (0, 2]: tokens of the prompt or output: logit / r where > 0, else * r
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit, in [-100, 100]; at most MAX_LOGIT_BIAS
+    constraint: Constraint | None = None  # structured output: only tokens the grammar allows
+
+    @property
+    def processed(self) -> bool:
+        """Its logits need more than sampling: penalties, a bias or a grammar (hkv/engine/logits_process.py)."""
+        return (self.constraint is not None or bool(self.logit_bias) or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)
 
 
 # api -> router
@@ -309,6 +338,10 @@ class NewSequence(msgspec.Struct, frozen=True, array_like=True):
     req_id: int
     sampling: SamplingParams
     state_slot: int | None = None  # live linear-state slot (hybrid models), until the slot is freed
+    # with sampling.processed only: the history its logits processing starts from (a sequence resumed
+    # after preemption has generated tokens already; a fresh one none)
+    prompt_ids: list[int] = []  # its prompt, with a repetition penalty (which counts prompt tokens too)
+    output_ids: list[int] = []  # the tokens it generated before this admission
 
 
 class Chunk(msgspec.Struct, frozen=True, array_like=True):

@@ -140,3 +140,76 @@ def test_in_chunk_checkpoints_travel_through_both_paths():
         assert not torch.isnan(want).any() and torch.equal(got, want), pool
     bad = drivers[0].plan([(2, [10, 11])], [], checkpoints={2: [[1, 5]]})
     assert "multiple of 64" in plain.execute(bad).error
+
+
+
+def _grammar_runner(vocab: int, loader) -> tuple[ModelRunner, Driver]:
+    from hkv.engine.logits_process import LogitsProcessor
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config.from_hf(dict(
+        model_type="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256))).eval()
+    perturb(model, 1)
+    layout = TableLayout(slots=SLOTS, max_pages=16)
+    table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
+    runner = _runner(model, table, True)
+    runner.processor = LogitsProcessor(vocab, runner.device, loader)
+    return runner, Driver(table)
+
+
+def _decode_plan(driver: Driver, step: int, last: dict[int, int] | None) -> StepPlan:
+    """One decode token for slots 0 and 1: the last sampled ones, or (last None) fed in by the rank."""
+    plan = driver.plan([(s, [0]) for s in (0, 1)], [])
+    return StepPlan(step, [], [Chunk(c.slot, [last[c.slot]] if last else [0], c.start_pos, True, [], last is None)
+                               for c in plan.chunks], [])
+
+
+def test_a_grammar_row_planned_ahead_samples_once_the_step_before_is_answered():
+    """Issue 37: with the next plan launched before the last one's tokens are on the host (the rank's
+    order on CUDA: launch n+1, answer n, complete n+1), a constrained row waits to sample until its
+    matcher has the token before; it samples what a run that waits for every result samples, and every
+    token keeps to the grammar."""
+    import re
+
+    from tokenizers import Tokenizer
+
+    from hkv.engine.logits_process import GrammarLoader
+    from hkv.ipc.messages import Constraint
+    from hkv.models.tiny import SHIPPED_DIR
+
+    vocab, steps = 4096, 8
+    loader = GrammarLoader(str(SHIPPED_DIR / "tokenizer.json"), vocab, [0])
+    pattern = "[a-z]+ = [0-9]{2}"
+    new = [NewSequence(0, 100, SamplingParams(max_tokens=16, constraint=Constraint("regex", pattern))),
+           NewSequence(1, 101, SAMPLING)]
+    runs = []
+    for ahead in (False, True):
+        runner, driver = _grammar_runner(vocab, loader)
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+        first = driver.plan([(0, [5, 6, 7]), (1, [8, 9])], [])
+        launched, late = runner.launch(StepPlan(1, new, first.chunks, [])), 0
+        for step in range(2, steps + 1):
+            if ahead:
+                nxt = runner.launch(_decode_plan(driver, step, None))
+                late += nxt.late is not None
+                result = runner.finish(launched)
+                runner.complete(nxt)
+            else:
+                result = runner.finish(launched)
+            for s in result.sampled:
+                tokens[s.slot].append(s.token_id)
+            launched = nxt if ahead else runner.launch(_decode_plan(driver, step, {s: t[-1] for s, t in tokens.items()}))
+        for s in runner.finish(launched).sampled:
+            tokens[s.slot].append(s.token_id)
+        runs.append((tokens, late))
+    (want, _), (got, late) = runs
+    assert got == want and late == steps - 1  # every step after the first sampled late
+    ended = want[0].index(0) if 0 in want[0] else len(want[0])  # EOS ends it once the grammar is done
+    assert all(t == 0 for t in want[0][ended:])
+    matcher = loader.get().matcher(new[0].sampling.constraint)
+    for token in want[0][:ended]:
+        matcher.consume(token)
+        assert not matcher.failed
+    text = Tokenizer.from_file(str(SHIPPED_DIR / "tokenizer.json")).decode(want[0][:ended])
+    assert re.fullmatch(pattern, text) if ended < len(want[0]) else re.fullmatch("[a-z]+( = [0-9]?)?|[a-z]+ ?=?", text)

@@ -60,3 +60,14 @@ def test_extreme_but_valid_parameters_still_give_a_token():
     for params in ({"temperature": 1.0, "top_p": 5e-324}, {"temperature": 5e-324}, {"temperature": 1e-30, "seed": 3}):
         outs = sample(logits, [row(**params), row(**params)])
         assert outs[0].token_id == 0 and 0 <= outs[1].token_id < 4
+
+
+def test_min_p_drops_the_unlikely_and_keeps_the_most_likely():
+    """Issue 37: min_p keeps the tokens at least min_p times as likely as the most likely one."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {sample(logits, [row(temperature=1.0, min_p=0.25, seed=s)])[0].token_id for s in range(200)}
+    assert seen == {0, 1, 2}  # 0.05 < 0.25 * 0.5
+    seen = {sample(logits, [row(temperature=1.0, min_p=1.0, seed=s)])[0].token_id for s in range(20)}
+    assert seen == {0}
+    many = {sample(logits, [row(temperature=1.0, seed=s)])[0].token_id for s in range(200)}
+    assert many == {0, 1, 2, 3}

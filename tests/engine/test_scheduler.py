@@ -619,3 +619,22 @@ def test_a_next_turn_waits_for_the_whole_previous_prompt():
     step(sched)
     assert sched.running[2].cached_tokens == 192  # the feeder's prompt's last page boundary
     run_to_end(sched)
+
+
+def test_a_resumed_sequence_with_processed_logits_brings_its_history():
+    """Issue 37: the ranks rebuild a processed sequence's counts and matcher at every admission, from the
+    prompt (with a repetition penalty) and the tokens it generated before it was preempted."""
+    sched = make(num_pages=4, page_size=4, budget=64, max_running=2)
+    sched.add(req(1, 4, max_tokens=6))
+    sched.add(req(2, 3, max_tokens=6, repetition_penalty=1.5))
+    announced = []
+    for _ in range(40):
+        if not sched.has_work():
+            break
+        plan, _ = step(sched, token_for=lambda s: 50 + s)
+        announced += [(n.req_id, n.prompt_ids, n.output_ids) for n in plan.new] if plan is not None else []
+    assert sched.preemptions >= 1
+    first, *again = [a for a in announced if a[0] == 2]
+    assert first == (2, [1, 2, 3], []) and again
+    assert all(prompt == [1, 2, 3] and output and set(output) <= {50, 51} for _, prompt, output in again)
+    assert all(prompt == output == [] for r, prompt, output in announced if r == 1)  # plain: nothing extra

@@ -289,3 +289,20 @@ def test_sampling_with_speculation_keeps_the_distribution(model):
         plain_counts[verify(logits[:1], [], SampleRow(other, n - 2)).outputs[0].token_id] += 1
     assert 0 < spec_counts[drafts[0]] < 3000  # the draft is accepted sometimes, not always
     _chi2_same(spec_counts, plain_counts)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_processed_rows_decode_without_drafts_and_equal_the_run_without_speculation(model, graphs):
+    """Issue 37: a row with a logit bias and penalties beside plain ones, with speculation on (graphs or not):
+    it runs eagerly, one token a step, its logits processed, and every row's tokens equal the run without
+    speculation (whose rows are processed the same)."""
+    plain = _requests([12, 30], max_tokens=12)
+    biased = GenerateRequest(3, plain[0].prompt_ids, SamplingParams(
+        max_tokens=12, ignore_eos=True, logit_bias={7: 8.0, 11: 8.0}, frequency_penalty=1.5, presence_penalty=0.5))
+    requests = [*plain, biased]
+    cold = Engine(model, 0, 16).run(requests)
+    engine = Engine(model, 2, 16, graphs=graphs)
+    got = engine.run(requests)
+    assert got == cold
+    assert set(got[3]) & {7, 11} and got[3] != got[1]  # the bias and the penalties show in its tokens
+    assert engine.sched.spec_verified > 0  # the plain rows drafted

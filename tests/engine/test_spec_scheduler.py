@@ -220,3 +220,31 @@ def test_a_malformed_result_with_too_many_tokens_is_refused():
     assert "tokens emitted" in _result(StepResult(plan.step, [many], 0.0), plan, 100)
     bad = Sampled(c.slot, 5, None, None, [], [100])
     assert "outside the vocabulary" in _result(StepResult(plan.step, [bad], 0.0), plan, 100)
+
+
+def test_a_sequence_with_processed_logits_decodes_without_drafts(caplog):
+    """Issue 37: the verify step samples raw logits, so a constrained or penalised sequence verifies no drafts
+    (one token a step, said in the log) while the others beside it draft as before."""
+    from hkv.ipc.messages import Constraint
+
+    caplog.set_level("INFO", logger="hkv.router")
+    sched = _sched(K)
+    sched.add(req(1, 9, max_tokens=12, constraint=Constraint("regex", "[a-z]+")))
+    sched.add(req(2, 9, max_tokens=12, repetition_penalty=1.2))
+    sched.add(req(3, 9, max_tokens=12))
+    assert "request 1 decodes without drafts" in caplog.text and "request 2 decodes" in caplog.text
+    assert "request 3" not in caplog.text
+    rank = FakeSpecRank(oracle)
+    drafted: dict[int, int] = {}
+    run = rank.run
+
+    def counting(plan):
+        result = run(plan)  # (req_of learns the plan's new sequences first)
+        for c in plan.chunks:
+            drafted[rank.req_of[c.slot]] = drafted.get(rank.req_of[c.slot], 0) + c.drafts
+        return result
+
+    rank.run = counting
+    out = drive(sched, rank)
+    assert drafted[1] == drafted[2] == 0 and drafted[3] > 0
+    assert [len(_tokens(out)[r]) for r in (1, 2, 3)] == [12, 12, 12]

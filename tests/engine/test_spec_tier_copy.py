@@ -28,7 +28,7 @@ def _runner(window: int, dtype=torch.bfloat16):
     kv, state = KVPool(kv_layout), StatePool(STATE, draft, dtype)
     layout = HostLayout.for_model(kv_layout, STATE, 40 * kv_layout.bytes_per_page(), draft)
     host = HostPool(layout, memoryview(bytearray(layout.nbytes)))
-    model = SimpleNamespace(cfg=SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=4))
+    model = SimpleNamespace(cfg=SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=4, vocab_size=16))
     table = SimpleNamespace(layout=SimpleNamespace(slots=2))
     return ModelRunner(model, kv, state, table, 2, "cpu", host=host), host
 

@@ -49,6 +49,8 @@ def test_greedy_keeps_the_argmax_prefix_and_emits_the_next_argmax():
         {"temperature": 1.3, "top_p": 0.9},
         {"temperature": 0.8, "top_k": 20, "top_p": 0.5, "logprobs": 0},
         {"temperature": 1.0, "top_k": 1},
+        {"temperature": 1.2, "min_p": 0.1},
+        {"temperature": 0.9, "top_k": 30, "top_p": 0.8, "min_p": 0.3},
     ],
 )
 def test_no_drafts_equals_sample(params):

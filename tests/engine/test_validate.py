@@ -7,7 +7,9 @@ import math
 import pytest
 
 from hkv.engine.validate import InboxCheck, RouterLimits
-from hkv.ipc.messages import Chunk, GenerateRequest, Sampled, SamplingParams, StepPlan, StepResult, TopLogprob
+from hkv.ipc.messages import (
+    MAX_CONSTRAINT_CHARS, Chunk, Constraint, GenerateRequest, Sampled, SamplingParams, StepPlan, StepResult, TopLogprob,
+)  # fmt: skip
 
 LIMITS = RouterLimits(vocab_size=100, max_context=64, row_tokens=80, kv_tokens=48, max_live=3)
 
@@ -38,6 +40,15 @@ def test_a_valid_request_becomes_live_until_it_finishes():
     (_req(top_p=0.0), "top_p"),
     (_req(top_k=0), "top_k"),
     (_req(logprobs=21), "logprobs"),
+    (_req(min_p=1.5), "min_p"),
+    (_req(presence_penalty=-2.5), "presence_penalty"),
+    (_req(frequency_penalty=math.inf), "frequency_penalty"),
+    (_req(repetition_penalty=0.0), "repetition_penalty"),
+    (_req(logit_bias={100: 1.0}), "logit_bias 100"),
+    (_req(logit_bias={3: 101.0}), "logit_bias 3"),
+    (_req(logit_bias={t: 0.5 for t in range(301)}), "a logit_bias of 301 tokens"),
+    (_req(constraint=Constraint("ebnf", "x")), "'ebnf' constraint"),
+    (_req(constraint=Constraint("regex", "a" * (MAX_CONSTRAINT_CHARS + 1))), "'regex' constraint"),
 ])
 def test_bad_fields_are_refused_and_counted(req, fragment):
     check = InboxCheck(LIMITS)

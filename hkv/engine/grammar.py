@@ -1,0 +1,204 @@
+"""Structured output: a `Constraint` as a grammar, and token masks from it (llguidance).
+
+llguidance (the engine behind vLLM's and SGLang's `guidance` backends) is picked over xgrammar on
+what `python -m tools.bench_grammar` measured (docs/benchmarks.md): every answer it led to was valid
+JSON that met its schema, where xgrammar let through raw control characters in bounded strings and
+special tokens inside strings, and accepted keywords it does not enforce (llguidance refuses those
+with an error, a 400); it compiles a schema in about a millisecond (xgrammar 5-50 ms the first
+time); and it has no Python dependency (xgrammar needs transformers, pydantic and a TVM runtime at
+serving time). xgrammar's masks are faster once compiled (about a third of llguidance's 10-20 us
+median a token on a 151k vocabulary); hkv builds masks while the step's forward runs, so that
+difference stays off the step's critical path unless masks outlast the forward.
+
+    grammar_of(constraint) -> str        llguidance's grammar text; GrammarError for a bad spec
+    check_constraint(constraint)         the same check, for the api (400 before anything is queued)
+    Grammars(tokenizer_json, vocab, eos) the rank's side: matchers, and masks for a batch of them
+
+JSON output is compact (`", "` and `": "` between items, no other whitespace): a model cannot stall
+a constrained answer in whitespace, and `json.loads` reads every finished answer.
+
+A mask is a bitmask of int32 words, bit t of word t // 32 set when token t may come next; ids past
+the tokenizer's vocabulary (the embedding's padding) are never allowed. Once the grammar is done
+(or a matcher fell into an error state, which masks make impossible unless a caller forces a token)
+only the EOS tokens are allowed, so the sequence finishes with "stop".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from hkv.ipc.messages import CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS, Constraint
+
+if TYPE_CHECKING:  # torch only in annotations: the api imports this module without loading torch
+    import torch
+
+log = logging.getLogger("hkv.grammar")
+T = TypeVar("T")
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile: the message says why (the api answers 400)."""
+
+
+def _llg():
+    import llguidance
+
+    return llguidance
+
+
+def _guarded(what: str, call: Callable[[], T]) -> T:
+    """llguidance's Rust code can panic on a malformed grammar (a schema with a non-ASCII `required` string,
+    say); pyo3 raises that as a BaseException, which would end a rank's process: turn it into GrammarError."""
+    try:
+        return call()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except GrammarError:
+        raise
+    except BaseException as exc:  # pyo3's PanicException derives from BaseException
+        raise GrammarError(f"{what} failed in llguidance: {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def grammar_of(constraint: Constraint) -> str:
+    """The constraint as an llguidance grammar (its JSON text); raises GrammarError for a bad spec."""
+    if constraint.kind not in CONSTRAINT_KINDS:
+        raise GrammarError(f"unknown constraint kind {constraint.kind!r}, want one of {list(CONSTRAINT_KINDS)}")
+    if len(constraint.spec) > MAX_CONSTRAINT_CHARS:
+        raise GrammarError(f"a {constraint.kind} of {len(constraint.spec)} characters (at most {MAX_CONSTRAINT_CHARS})")
+    matcher = _llg().LLMatcher
+    if constraint.kind == "json_schema":
+        try:
+            schema = json.loads(constraint.spec)
+        except ValueError as exc:
+            raise GrammarError(f"the JSON schema is not JSON: {exc}") from None
+        if schema is True:  # any JSON value
+            schema = {}
+        if not isinstance(schema, dict):
+            raise GrammarError("a JSON schema must be an object (or true); false would allow nothing")
+        try:
+            return _guarded("the JSON schema", lambda: matcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS))
+        except ValueError as exc:
+            raise GrammarError(f"the JSON schema does not compile: {exc}") from None
+    if constraint.kind == "regex":
+        return _guarded("the regex", lambda: matcher.grammar_from_regex(constraint.spec))
+    return _guarded("the grammar", lambda: matcher.grammar_from_lark(constraint.spec))
+
+
+def check_constraint(constraint: Constraint) -> None:
+    """Raise GrammarError unless the constraint compiles (its grammar is checked without a tokenizer)."""
+    grammar = grammar_of(constraint)
+    error = _guarded(f"the {constraint.kind}", lambda: _llg().LLMatcher.validate_grammar(grammar))
+    if error and not error.startswith("WARNING"):
+        raise GrammarError(f"the {constraint.kind.replace('_', ' ')} does not compile: {error}")
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+class Matcher:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, inner, eos_ids: Sequence[int]):
+        self._inner = inner  # llguidance.LLMatcher; None for a matcher that only ends its sequence
+        self._eos = list(eos_ids)
+        self.failed = inner is None  # a token the grammar did not allow was forced in: only EOS from now on
+
+    @classmethod
+    def ended(cls, eos_ids: Sequence[int]) -> "Matcher":
+        """A matcher that allows only EOS (a grammar that could not be built on the rank)."""
+        return cls(None, eos_ids)
+
+    def consume(self, token: int) -> None:
+        """Advance past a sampled token (EOS included: the matcher stops)."""
+        if self.failed or self._inner.is_stopped():
+            return
+        try:
+            taken = _guarded("a token", lambda: self._inner.consume_token(token))
+        except GrammarError as exc:
+            taken = False
+            log.error("a constrained sequence's matcher failed on token %d: %s", token, exc)
+        if not taken:
+            self.failed = True
+            log.warning("a constrained sequence took token %d its grammar does not allow (%s); it may only end "
+                        "now", token, self._inner.get_error())
+
+    @property
+    def done(self) -> bool:
+        """Only EOS may follow: the grammar finished, or the matcher failed."""
+        return self.failed or self._inner.is_stopped() or self._inner.is_error()
+
+    def fill(self, row: torch.Tensor) -> None:
+        """Write the next token's bitmask into `row` ([words] int32, contiguous, on the host)."""
+        if self.done:
+            self.eos_only(row, self._eos)
+            return
+        self._inner.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+
+    @staticmethod
+    def eos_only(row: torch.Tensor, eos_ids: Sequence[int]) -> None:
+        words: dict[int, int] = {}
+        for t in eos_ids:
+            words[t // 32] = words.get(t // 32, 0) | 1 << (t % 32)
+        row.zero_()
+        for word, bits in words.items():
+            if word < row.numel():
+                row[word] = bits - (1 << 32) if bits >= 1 << 31 else bits  # the int32 of those bits
+
+
+class Grammars:
+    """The rank's grammar engine: the tokenizer as llguidance sees it, and matchers over it.
+
+    tokenizer_json: the checkpoint's tokenizer.json; vocab_size: the model's logit rows (ids past the
+    tokenizer's are never allowed); eos_ids: the tokens that end a sequence (allowed where the grammar
+    may end, and alone once it has)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]):
+        llg = _llg()
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=self.eos_ids)
+        self.executor = llg.LLExecutor()
+        self.words = mask_words(vocab_size)
+
+    def matcher(self, constraint: Constraint, consumed: Sequence[int] = ()) -> Matcher:
+        """A matcher at the start of the constraint's grammar, advanced past `consumed` (a resumed
+        sequence's output so far); raises GrammarError if the grammar does not compile."""
+        grammar = grammar_of(constraint)
+        inner = _guarded(f"the {constraint.kind}", lambda: _llg().LLMatcher(self.tokenizer, grammar, log_level=0))
+        if inner.is_error():
+            raise GrammarError(inner.get_error())
+        matcher = Matcher(inner, self.eos_ids)
+        _guarded("replaying the output", lambda: [matcher.consume(token) for token in consumed])
+        return matcher
+
+    def fill(self, matchers: Sequence[Matcher], masks: torch.Tensor) -> None:
+        """Row i of `masks` ([>= len(matchers), words] int32, contiguous, host) = matchers[i]'s next mask;
+        the live ones in parallel on llguidance's threads."""
+        fill_masks(matchers, masks, self.executor)
+
+
+def fill_masks(matchers: Sequence[Matcher], masks: torch.Tensor, executor=None) -> None:
+    """Row i of `masks` = matchers[i]'s next mask: the finished ones (EOS only) here, the live ones on
+    `executor` (an llguidance.LLExecutor; needed when any is live)."""
+    live = [(m._inner, i) for i, m in enumerate(matchers) if not m.done]
+    for i, m in enumerate(matchers):
+        if m.done:
+            m.fill(masks[i])
+    if not live:
+        return
+    try:
+        _guarded("masks", lambda: executor.unsafe_compute_mask_ptr(live, masks.data_ptr(), masks.shape[1] * 4,
+                                                                   masks.shape[0]))
+    except GrammarError as exc:  # their sequences end rather than the step failing for every row
+        log.error("%d constrained sequences end: %s", len(live), exc)
+        for i, m in enumerate(matchers):
+            if not m.done:
+                m.failed = True
+                m.fill(masks[i])

@@ -1,0 +1,255 @@
+"""What a sequence's logits go through before sampling: logit_bias, repetition, frequency and
+presence penalties, and the token mask of its grammar (structured output).
+
+Only sequences whose SamplingParams are `processed` have state here, and only a step with such a
+row does any of this: a step of plain rows costs one set lookup per row.
+
+    bias            logits[t] += logit_bias[t]
+    repetition r    tokens of the prompt or the output: logits / r where positive, logits * r elsewhere
+    frequency f     logits[t] -= f * (times t is in the output)
+    presence p      logits[t] -= p * (t is in the output)
+    mask            tokens the grammar does not allow next -> -inf
+
+Everything but the mask stays on the device: the output's token counts live in one pooled
+[rows, vocab] tensor that each step's sampled ids are added into, with no host read. The mask
+needs the matcher to have seen every token before it: on CUDA the rank plans a step before the
+previous one's tokens are on the host, so a step with a grammar row samples late (`behind`, then
+the runner's `complete`), once those tokens are in: the masks are computed on the host while the
+step's forward runs, uploaded and applied in front of its sampling.
+
+A sequence's state is rebuilt from its NewSequence whenever it is (re)admitted: the router sends
+the prompt (with a repetition penalty) and the tokens it generated before a preemption, so a
+resumed sequence continues exactly where it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hkv.engine.grammar import Grammars, Matcher, fill_masks, mask_words
+from hkv.ipc.messages import NewSequence, SamplingParams
+
+log = logging.getLogger("hkv.rank")
+LOGIT_BOUND = 1e30  # processed logits stay within +-this (float32's max is 3.4e38)
+
+
+@dataclass
+class SlotState:
+    """One processed sequence on the rank."""
+
+    req_id: int
+    params: SamplingParams
+    row: int | None  # its row of the count pools (penalties), None without penalties
+    matcher: Matcher | None  # its grammar's place (a constraint), None without one
+    behind: int = 0  # tokens sampled for it that the matcher has not consumed yet
+
+
+def _penalised(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+
+
+class GrammarLoader:
+    """The rank's Grammars, built once in a thread at start-up (the tokenizer's byte trie takes most
+    of a second for a 150k vocabulary) and waited for by the first constrained sequence."""
+
+    def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_ids: Sequence[int]):
+        self.eos_ids = sorted(eos_ids)
+        self._grammars: Grammars | None = None
+        self._error: str | None = None
+        self._thread: threading.Thread | None = None
+        if tokenizer_json is None:
+            self._error = "this checkpoint has no tokenizer.json"
+            return
+        self._thread = threading.Thread(target=self._load, args=(tokenizer_json, vocab_size, eos_ids), daemon=True,
+                                        name="grammar-tokenizer")
+        self._thread.start()
+
+    def _load(self, path: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        try:
+            self._grammars = Grammars(path, vocab_size, eos_ids)
+        except Exception as exc:  # structured output refuses its requests; the rest serves on
+            self._error = f"{type(exc).__name__}: {exc}"
+            log.warning("structured output is unavailable: %s", self._error)
+
+    def get(self) -> Grammars:
+        if self._thread is not None:
+            self._thread.join()
+        if self._grammars is None:
+            raise RuntimeError(f"structured output is unavailable: {self._error}")
+        return self._grammars
+
+
+class LogitsProcessor:
+    """Per-slot processing state of one rank, and its application to a step's logits."""
+
+    def __init__(self, vocab_size: int, device: torch.device, grammars: GrammarLoader | None):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.grammars = grammars
+        self.slots: dict[int, SlotState] = {}  # request-table row -> its processed sequence
+        self._free_rows: list[int] = []
+        self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)  # [rows, V] output token counts
+        self.prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)  # [rows, V] prompt tokens
+        self._masks: torch.Tensor | None = None  # [R, words] int32 host buffer (pinned on CUDA)
+
+    # membership
+
+    def admit(self, seq: NewSequence) -> None:
+        """Take a (re)admitted sequence in; plain ones leave no state."""
+        self.drop(seq.slot)
+        params = seq.sampling
+        if not params.processed:
+            return
+        row = self._take_row(seq.prompt_ids, seq.output_ids) if _penalised(params) else None
+        matcher = self._matcher(seq) if params.constraint is not None else None
+        self.slots[seq.slot] = SlotState(seq.req_id, params, row, matcher)
+
+    def _matcher(self, seq: NewSequence) -> Matcher:
+        """The sequence's matcher, past its output so far. The api compiled the grammar already; one that
+        fails here (no tokenizer for llguidance, say) may only end the sequence, with the reason logged."""
+        try:
+            if self.grammars is None:
+                raise RuntimeError("structured output is unavailable on this rank")
+            return self.grammars.get().matcher(seq.sampling.constraint, seq.output_ids)
+        except Exception as exc:
+            log.error("request %d: its grammar failed on the rank (%s: %s); it ends at once", seq.req_id,
+                      type(exc).__name__, exc)
+            return Matcher.ended(self.grammars.eos_ids if self.grammars is not None else [])
+
+    def drop(self, slot: int) -> None:
+        state = self.slots.pop(slot, None)
+        if state is not None and state.row is not None:
+            self._free_rows.append(state.row)
+
+    def _take_row(self, prompt_ids: list[int], output_ids: list[int]) -> int:
+        if not self._free_rows:
+            self._grow()
+        row = self._free_rows.pop()
+        self.counts[row].zero_()
+        self.prompt[row].zero_()
+        if prompt_ids:
+            self.prompt[row, self._ids(prompt_ids)] = True
+        if output_ids:
+            self.counts[row].index_add_(0, self._ids(output_ids), torch.ones(len(output_ids), dtype=torch.int32,
+                                                                             device=self.device))
+        return row
+
+    def _grow(self) -> None:
+        """Double the count pools (8 rows first): a rank pays for the penalised sequences it has had at once."""
+        old = self.counts.shape[0]
+        new = max(8, 2 * old)
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(new - old, self.vocab_size)])
+        self.prompt = torch.cat([self.prompt, self.prompt.new_zeros(new - old, self.vocab_size)])
+        self._free_rows.extend(range(new - 1, old - 1, -1))
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([t for t in ids if 0 <= t < self.vocab_size], dtype=torch.long).to(self.device)
+
+    # a step
+
+    def rows(self, slots: Sequence[int]) -> list[int]:
+        """Indexes into `slots` (a step's sampling rows, in order) of the processed sequences."""
+        if not self.slots:
+            return []
+        return [i for i, s in enumerate(slots) if s in self.slots]
+
+    def matched(self, slots: Sequence[int]) -> dict[int, int] | None:
+        """slot -> req_id of the grammar rows among `slots` (whose matchers take the step's tokens), or None."""
+        if not self.slots:
+            return None
+        return {s: st.req_id for s in slots if (st := self.slots.get(s)) is not None and st.matcher is not None} or None
+
+    def processed_slots(self, slots: Sequence[int]) -> list[int]:
+        """The processed sequences' slots among `slots`."""
+        return [s for s in slots if s in self.slots]
+
+    def behind(self, slots: Sequence[int]) -> bool:
+        """Some grammar row's matcher still waits for a token a running step samples."""
+        return any(self.slots[s].behind for s in slots if s in self.slots and self.slots[s].matcher is not None)
+
+    def apply(self, logits: torch.Tensor, slots: Sequence[int], rows: list[int]) -> None:
+        """Process `logits` ([S, V] fp32, row i sampling for slots[i]) in place at `rows`; every grammar
+        row's matcher must be current (not `behind`)."""
+        states = [self.slots[slots[i]] for i in rows]
+        index = torch.tensor(rows, dtype=torch.long).to(self.device)
+        sub = logits.index_select(0, index)  # [R, V]
+        self._bias(sub, states)
+        self._penalties(sub, states)
+        self._mask(sub, states)
+        logits.index_copy_(0, index, sub)
+
+    def _bias(self, sub: torch.Tensor, states: list[SlotState]) -> None:
+        entries = [(r, t, b) for r, s in enumerate(states) for t, b in s.params.logit_bias.items()
+                   if 0 <= t < self.vocab_size]
+        if not entries:
+            return
+        r, t, b = zip(*entries)
+        where = (torch.tensor(r).to(self.device), torch.tensor(t).to(self.device))
+        sub.index_put_(where, torch.tensor(b, dtype=sub.dtype).to(self.device), accumulate=True)
+
+    def _penalties(self, sub: torch.Tensor, states: list[SlotState]) -> None:
+        picked = [(r, s) for r, s in enumerate(states) if s.row is not None]
+        if not picked:
+            return
+        at = torch.tensor([r for r, _ in picked], dtype=torch.long).to(self.device)
+        pool = torch.tensor([s.row for _, s in picked], dtype=torch.long).to(self.device)
+        knobs = torch.tensor([[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
+                              for _, s in picked], dtype=sub.dtype).to(self.device)  # [P, 3]
+        counts = self.counts.index_select(0, pool).to(sub.dtype)  # [P, V]
+        rows = sub.index_select(0, at)
+        seen = (counts > 0) | self.prompt.index_select(0, pool)
+        rep = knobs[:, 0:1]
+        rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
+        rows -= knobs[:, 1:2] * counts + knobs[:, 2:3] * (counts > 0).to(sub.dtype)
+        # a tiny repetition penalty overflows the division: keep every logit finite, and small enough that
+        # the sampler's division by a temperature (>= 1e-5) stays finite too
+        sub.index_copy_(0, at, rows.clamp_(-LOGIT_BOUND, LOGIT_BOUND))
+
+    def _mask(self, sub: torch.Tensor, states: list[SlotState]) -> None:
+        picked = [(r, s.matcher) for r, s in enumerate(states) if s.matcher is not None]
+        if not picked:
+            return
+        words = mask_words(self.vocab_size)
+        masks = self._mask_buffer(len(picked), words)
+        matchers = [m for _, m in picked]
+        live = any(not m.done for m in matchers)
+        fill_masks(matchers, masks, self.grammars.get().executor if live else None)
+        bits = masks.to(self.device, non_blocking=True)  # [G, words]
+        shifts = torch.arange(32, dtype=torch.int32, device=self.device)
+        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(picked), words * 32)[:, : self.vocab_size]
+        at = torch.tensor([r for r, _ in picked], dtype=torch.long).to(self.device)
+        sub.index_copy_(0, at, sub.index_select(0, at).masked_fill(allowed == 0, float("-inf")))
+
+    def _mask_buffer(self, rows: int, words: int) -> torch.Tensor:
+        """A host buffer of `rows` masks; a fresh one per step, since the last step's upload may still read
+        the old one."""
+        return torch.empty(rows, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+
+    def sampled(self, slots: Sequence[int], rows: list[int], ids: torch.Tensor) -> None:
+        """The step's sampled ids ([S] on the device) are in: add the processed rows' to their counts, and
+        mark their matchers one token behind until `consume` gives them the token."""
+        counted = [(i, self.slots[slots[i]].row) for i in rows if self.slots[slots[i]].row is not None]
+        if counted:
+            at = torch.tensor([i for i, _ in counted], dtype=torch.long).to(self.device)
+            pool = torch.tensor([r for _, r in counted], dtype=torch.long).to(self.device)
+            self.counts.index_put_((pool, ids.index_select(0, at)), torch.ones(len(counted), dtype=torch.int32,
+                                                                               device=self.device), accumulate=True)
+        for i in rows:
+            state = self.slots[slots[i]]
+            if state.matcher is not None:
+                state.behind += 1
+
+    def consume(self, slot: int, req_id: int, tokens: Sequence[int]) -> None:
+        """A step's tokens for `slot` reached the host: its matcher advances (a slot since handed to
+        another sequence, or freed, is left alone)."""
+        state = self.slots.get(slot)
+        if state is None or state.req_id != req_id or state.matcher is None:
+            return
+        for token in tokens:
+            state.matcher.consume(token)
+        state.behind = max(0, state.behind - 1)

@@ -1,0 +1,148 @@
+"""Constraints as grammars (llguidance): what compiles, what a bad spec says, and that a random walk
+over the allowed tokens produces text the constraint describes, on the built-in tokenizer."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from hkv.engine.grammar import GrammarError, Grammars, Matcher, check_constraint, fill_masks, mask_words
+from hkv.ipc.messages import MAX_CONSTRAINT_CHARS, Constraint
+from hkv.models.tiny import SHIPPED_DIR
+
+TOKENIZER = str(SHIPPED_DIR / "tokenizer.json")
+VOCAB = 4096 + 64  # the model's rows may pass the tokenizer's: those ids are never allowed
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Grammars:
+    return Grammars(TOKENIZER, VOCAB, [EOS])
+
+
+def allowed(mask: torch.Tensor) -> list[int]:
+    """Token ids whose bit is set in one [words] int32 mask."""
+    bits = (mask.to(torch.int64).unsqueeze(-1) >> torch.arange(32)) & 1
+    return bits.flatten().nonzero().flatten().tolist()
+
+
+def walk(grammars: Grammars, constraint: Constraint, seed: int, steps: int = 200) -> tuple[list[int], bool]:
+    """A random walk through the grammar: (tokens before EOS, whether it ended with EOS)."""
+    rng = random.Random(seed)
+    matcher = grammars.matcher(constraint)
+    masks = torch.empty(1, grammars.words, dtype=torch.int32)
+    out = []
+    for _ in range(steps):
+        grammars.fill([matcher], masks)
+        choices = allowed(masks[0])
+        assert choices, "a live grammar allowed nothing"
+        assert all(t < 4096 for t in choices), "a padding id past the tokenizer was allowed"
+        plain = [t for t in choices if t != EOS]
+        token = rng.choice(plain) if plain and rng.random() < 0.9 else rng.choice(choices)
+        if token == EOS:
+            return out, True
+        out.append(token)
+        matcher.consume(token)
+        assert not matcher.failed
+    return out, False
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "size": {"enum": ["small", "large"]},
+    "tags": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+    "inner": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}},
+    "required": ["name", "size", "tags", "inner"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_random_walk_through_a_schema_writes_json_that_fits_it(grammars, seed):
+    tokens, ended = walk(grammars, Constraint("json_schema", json.dumps(SCHEMA)), seed)
+    text = Tokenizer.from_file(TOKENIZER).decode(tokens)
+    assert ended, text
+    value = json.loads(text)
+    assert set(value) == {"name", "size", "tags", "inner"}
+    assert value["size"] in ("small", "large") and len(value["name"]) <= 6
+    assert all(isinstance(t, int) and 0 <= t <= 9 for t in value["tags"]) and len(value["tags"]) <= 3
+    assert value["inner"] in ({"ok": True}, {"ok": False})
+    assert ", " in text and "\n" not in text  # compact JSON: items and keys separated as documented
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_random_walk_through_a_regex_matches_it(grammars, seed):
+    pattern = r"(yes|no), [a-c]{2,4}!"
+    tokens, ended = walk(grammars, Constraint("regex", pattern), seed)
+    assert ended and re.fullmatch(pattern, Tokenizer.from_file(TOKENIZER).decode(tokens))
+
+
+def test_a_finished_grammar_allows_only_eos(grammars):
+    matcher = grammars.matcher(Constraint("regex", "ab"))
+    for token in Tokenizer.from_file(TOKENIZER).encode("ab", add_special_tokens=False).ids:
+        matcher.consume(token)
+    masks = torch.empty(1, grammars.words, dtype=torch.int32)
+    grammars.fill([matcher], masks)
+    assert allowed(masks[0]) == [EOS]
+    matcher.consume(EOS)
+    assert matcher.done
+    grammars.fill([matcher], masks)
+    assert allowed(masks[0]) == [EOS]
+
+
+def test_a_forced_token_leaves_only_eos(grammars):
+    matcher = grammars.matcher(Constraint("regex", "[0-9]+"))
+    matcher.consume(Tokenizer.from_file(TOKENIZER).encode("x", add_special_tokens=False).ids[0])
+    assert matcher.failed and matcher.done
+
+
+def test_resuming_past_the_output_so_far_continues_the_grammar(grammars):
+    ids = Tokenizer.from_file(TOKENIZER).encode('{"size": "sm', add_special_tokens=False).ids
+    schema = {"type": "object", "properties": {"size": {"enum": ["small", "large"]}}, "required": ["size"]}
+    matcher = grammars.matcher(Constraint("json_schema", json.dumps(schema)), ids)
+    masks = torch.empty(1, grammars.words, dtype=torch.int32)
+    grammars.fill([matcher], masks)
+    decode = Tokenizer.from_file(TOKENIZER).decode
+    assert all("small"[len("sm"):].startswith(decode([t])) or decode([t]).startswith("all")
+               for t in allowed(masks[0]))
+
+
+@pytest.mark.parametrize("eos_ids", [[0], [31], [31, 32, 63], [4095]])
+def test_an_ended_matcher_allows_exactly_its_eos_ids(eos_ids):
+    masks = torch.full((2, mask_words(VOCAB)), 7, dtype=torch.int32)
+    fill_masks([Matcher.ended(eos_ids), Matcher.ended(eos_ids)], masks)  # no executor needed: none is live
+    assert allowed(masks[0]) == eos_ids and allowed(masks[1]) == eos_ids
+
+
+@pytest.mark.parametrize("constraint, says", [
+    (Constraint("regex", "(a"), "unclosed group"),
+    (Constraint("json_schema", '{"type": "foo"}'), "foo"),
+    (Constraint("json_schema", "{not json"), "not JSON"),
+    (Constraint("json_schema", "[1, 2]"), "must be an object"),
+    (Constraint("lark", "start: missing_rule"), "missing_rule"),
+    (Constraint("ebnf", "x"), "unknown constraint kind"),
+    (Constraint("regex", "a" * (MAX_CONSTRAINT_CHARS + 1)), "at most"),
+])
+def test_a_constraint_that_does_not_compile_says_why(constraint, says):
+    with pytest.raises(GrammarError, match=re.escape(says)):
+        check_constraint(constraint)
+
+
+def test_the_kinds_that_compile():
+    for constraint in (Constraint("json_schema", '{"type": "object"}'), Constraint("regex", "[a-z]+"),
+                       Constraint("lark", 'start: "a" b\nb: /[0-9]+/'), Constraint("json_schema", "true")):
+        check_constraint(constraint)
+
+
+def test_a_panic_inside_llguidance_is_a_grammar_error():
+    """llguidance panics (pyo3's PanicException, a BaseException) on some malformed schemas; that must reach
+    the api as a 400 and never end a rank."""
+    bad = Constraint("json_schema", json.dumps({"required": "é" * 100}))
+    with pytest.raises(GrammarError, match="failed in llguidance"):
+        check_constraint(bad)
+    with pytest.raises(GrammarError):
+        Grammars(TOKENIZER, VOCAB, [EOS]).matcher(bad)
