@@ -161,6 +161,8 @@ class ServerConfig:
     pd_transfer: str = "auto"  # prefill/decode: auto | pair | tier (hkv/pd_flags.py)
     pd_stall_pull_s: float = 0.0  # tests: $HKV_PD_STALL_PULL_S, the transporter stalls a pull (or pair send)
     log_request_times: bool = False  # the router logs where each finished request's time went (hkv/engine/timeline.py)
+    tool_call_parser: str | None = None  # hermes | qwen3_coder (hkv/openai/chat_output.py); None: tools refused
+    reasoning_parser: str | None = None  # qwen3: <think> blocks become reasoning_content; None: all is content
 
 
 @dataclass(frozen=True)
@@ -303,6 +305,13 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
                         "(default: 10)")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level of every actor; debug also checks the cache books after every step (default: info)")
+    g.add_argument("--tool-call-parser", choices=("auto", "hermes", "qwen3_coder", "none"), default="auto",
+                   help="how chat answers carry tool calls: hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3), "
+                        "qwen3_coder (<function=...><parameter=...> XML, Qwen3-Coder/Qwen3.5); auto picks the "
+                        "format the chat template teaches; none refuses `tools` (default: auto)")
+    g.add_argument("--reasoning-parser", choices=("none", "qwen3"), default="none",
+                   help="qwen3: the answer's <think>...</think> block becomes `reasoning_content` on "
+                        "/v1/chat/completions (default: none, all text is `content`)")
     g.add_argument("--log-request-times", action="store_true",
                    help="the router logs one line per finished request: when its peer fetch and tier lookup "
                         "answered, its admission, first step, first token and finish, in ms from its arrival, for "
@@ -537,7 +546,20 @@ def _api_key(args: argparse.Namespace) -> KeyHash | None:
     return _key("--api-key-file", lines[0].strip(), "HKV_API_KEY")
 
 
-def _server_config(args: argparse.Namespace, name: str) -> ServerConfig:
+def _tool_call_parser(args: argparse.Namespace, path: str) -> str | None:
+    """--tool-call-parser resolved: auto reads the chat template's format (hkv/openai/chat_output.py)."""
+    if args.tool_call_parser != "auto":
+        return None if args.tool_call_parser == "none" else args.tool_call_parser
+    from hkv.models.tokenizer import Tokenizer, TokenizerError
+    from hkv.openai.chat_output import tool_parser_for_template
+
+    try:
+        return tool_parser_for_template(Tokenizer.from_folder(path).chat_template)
+    except (OSError, ValueError, TokenizerError):  # the model's description has already vetted the folder
+        return None
+
+
+def _server_config(args: argparse.Namespace, name: str, path: str) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -559,6 +581,8 @@ def _server_config(args: argparse.Namespace, name: str) -> ServerConfig:
         pd_timeout_s=args.pd_timeout,
         pd_transfer=args.pd_transfer,
         log_request_times=args.log_request_times,
+        tool_call_parser=_tool_call_parser(args, path),
+        reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
         pd_stall_pull_s=float(os.environ.get("HKV_PD_STALL_PULL_S") or 0.0),  # fault injection (tests/e2e/test_pd.py)
     )
 
@@ -581,7 +605,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     on_cpu = device == "cpu"
     max_running = args.max_running_requests or (32 if on_cpu else 256)
     cache = _cache_config(args, spec, max_running, on_cpu, dtype)
-    server = _server_config(args, name)
+    server = _server_config(args, name, path)
     run_dir = create_run_dir(name)  # mode 0700, marked with this process as its creator
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec,

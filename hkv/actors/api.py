@@ -45,6 +45,7 @@ from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import Inbound, Outbound
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.models.tokenizer import Tokenizer, TokenizerError
+from hkv.openai.chat_output import ChatOutputParser, chat_parser
 from hkv.openai.generation import ChoiceUpdate, Generation
 from hkv.openai.http_limits import BoundedSite, InFlight
 from hkv.openai.metrics import ApiMetrics
@@ -57,6 +58,7 @@ from hkv.openai.protocol import (
     ModelLimits,
     Options,
     ProtocolError,
+    constrain_chat,
     decode_body,
     parse_chat,
     parse_completion,
@@ -66,9 +68,11 @@ from hkv.openai.responses import DONE_FRAME, ChatFormat, CompletionFormat, error
 from hkv.openai.router_link import RequestStream, RouterLink
 from hkv.openai.stats_readers import attach_engine_stats, attach_pd_stats, attach_tier_stats, malformed_sources
 from hkv.openai.tokenize import PromptEncoder, TokenizeWorker, longest_token_chars
+from hkv.openai.tokenize_api import parse_detokenize, parse_tokenize
 
 log = logging.getLogger("hkv.api")
 
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize")  # the api key's, like /v1/*
 ADMIN_PREFIXES = ("/cache/",)  # the admin key's routes (the api key's when there is no admin key)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ABORT_GRACE_S = 5.0  # after the drain timeout: time for aborted handlers to finish
@@ -126,6 +130,8 @@ class Api:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/openapi.json", self.openapi_page)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/cache/flush", self.cache_flush)
         app.router.add_get("/pd/info", self.pd_info)
         return app
@@ -157,7 +163,7 @@ class Api:
 
     def _required_key(self, path: str) -> KeyHash | None:
         server = self.cfg.server
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in TOKENIZER_ROUTES:
             return server.api_key
         if path.startswith(ADMIN_PREFIXES):
             return server.admin_key or server.api_key
@@ -188,10 +194,13 @@ class Api:
         body = await self._read_json(request)
         req = parse_chat(body, self.limits)
         route = self.pd.route(body)
-        prompts = await self.prompts.encode([self._chat_text(req)], add_special_tokens=False)
-        opts = req.options
+        text = self._chat_text(req)
+        server = self.cfg.server
+        opts = constrain_chat(req, text, server.tool_call_parser, server.reasoning_parser)
+        prompts = await self.prompts.encode([text], add_special_tokens=False)
         fmt = ChatFormat(self.limits.model_id, self.tokenizer, opts.return_token_ids, opts.include_usage)
-        return await self._generate(request, arrived, opts, prompts, fmt, None, route)
+        parser = chat_parser(req, text, server.tool_call_parser, server.reasoning_parser)
+        return await self._generate(request, arrived, opts, prompts, fmt, None, route, parser)
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
         limit = self.cfg.server.max_body_bytes
@@ -215,11 +224,28 @@ class Api:
         encoded = iter(await self.prompts.encode(texts, add_special_tokens=True) if texts else [])
         return [list(p) if isinstance(p, tuple) else next(encoded) for p in req.prompts]
 
-    def _chat_text(self, req: ChatRequest) -> str:
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = parse_tokenize(await self._read_json(request), self.limits)
+        text = req.text if req.chat is None else self._chat_text(req.chat, req.add_generation_prompt)
+        (tokens,) = await self.prompts.encode([text], add_special_tokens=req.add_special_tokens)
+        return _json({"tokens": tokens, "count": len(tokens), "max_model_len": self.limits.max_seq_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        tokens = parse_detokenize(await self._read_json(request), self.tokenizer.vocab_size)
+        return _json({"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+    def _chat_text(self, req: ChatRequest, add_generation_prompt: bool = True) -> str:
+        messages = [m.template_dict() for m in req.messages]
+        variables = dict(req.template_kwargs)
+        if req.tools.tools:
+            if req.tools.choice != "none" and self.cfg.server.tool_call_parser is None:
+                raise ProtocolError(400, "this server reads no tool calls from answers: the model's chat template "
+                                         "teaches no known tool-call format (--tool-call-parser)", "tools")
+            variables["tools"] = list(req.tools.tools)
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except (jinja2.TemplateError, TokenizerError) as exc:  # raise_exception in the template, or no template
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **variables)
+        # raise_exception, no template, bad kwargs, tools nested past Python's recursion limit
+        except (jinja2.TemplateError, TokenizerError, TypeError, RecursionError) as exc:
             raise ProtocolError(400, f"the chat template rejected the messages: {exc}", "messages") from exc
 
     def _admit(self, sequences: int) -> None:
@@ -244,6 +270,7 @@ class Api:
         fmt: Format,
         default_cap: int | None,
         route: PdRoute = NO_ROUTE,
+        output_parser: Callable[[], ChatOutputParser] | None = None,
     ) -> web.StreamResponse:
         seed = self._seeds.getrandbits(62)
         if route.for_peer:  # one token out, of the prompt less its last token (hkv/openai/pd_route.py)
@@ -255,7 +282,8 @@ class Api:
         stream = self.link.open([(prompts[p.prompt_index], p.sampling) for p in plans], bound, route.peer,
                                 route.for_peer, route.device if one else None, route.for_peer and one, arrived)
         want_logprobs = options.logprobs is not None
-        gen = Generation(plans, stream.req_ids, prompts, self.tokenizer, options.stop, want_logprobs, arrived)
+        gen = Generation(plans, stream.req_ids, prompts, self.tokenizer, options.stop, want_logprobs, arrived,
+                         output_parser)
         self.in_flight.enter()
         try:
             if options.stream:
@@ -320,6 +348,7 @@ class Api:
             "created": self._started,
             "owned_by": "hkv",
             "max_model_len": self.limits.max_seq_len,
+            "vocab_size": self.limits.vocab_size,  # an hkv extension: logit_bias keys lie below it
         }
         return _json({"object": "list", "data": [card]})
 

@@ -9,10 +9,11 @@ a streaming one would have sent.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hkv.ipc.messages import CACHE_TIERS, TokenDelta, TopLogprob
+from hkv.openai.chat_output import ChatOutputParser, ParsedDelta, ToolCallDelta
 from hkv.openai.detok import Decoder, IncrementalDetokenizer, StopMatcher
 from hkv.openai.protocol import SequencePlan
 
@@ -29,6 +30,8 @@ class ChoiceUpdate:
     top_logprobs: list[list[TopLogprob]] | None
     finish_reason: str | None
     stop_hit: bool  # a stop string ended the choice: the api must abort its sequence
+    reasoning: str = ""  # chat with a reasoning parser: the part of `text`'s delta that was reasoning
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # chat with tools: call fragments completed
 
 
 @dataclass
@@ -50,6 +53,9 @@ class ChoiceState:
     cache_tiers: dict[str, int] | None = None
     first_token_at: float | None = None  # monotonic seconds
     finished_at: float | None = None
+    parser: ChatOutputParser | None = None  # chat: reasoning and tool calls split out of the text
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def apply(self, delta: TokenDelta, now: float) -> ChoiceUpdate | None:
         """Fold one delta in; None once the choice has finished."""
@@ -72,8 +78,23 @@ class ChoiceState:
         new_ids = list(delta.token_ids[:taken])
         logprobs, tops = self._record_logprobs(delta, taken)
         self.token_ids.extend(new_ids)
-        self.text.append(text)
-        return ChoiceUpdate(self.index, text, new_ids, logprobs, tops, self.finish_reason, stop_hit)
+        parsed = self._parse(text)
+        self.text.append(parsed.content)
+        return ChoiceUpdate(self.index, parsed.content, new_ids, logprobs, tops, self.finish_reason, stop_hit,
+                            parsed.reasoning, parsed.tool_calls)
+
+    def _parse(self, text: str) -> ParsedDelta:
+        """Content, reasoning and tool calls of new text (all content without a parser)."""
+        if self.parser is None:
+            return ParsedDelta(content=text)
+        parsed = self.parser.feed(text)
+        if self.finish_reason is not None:
+            parsed.add(self.parser.flush())
+            if self.parser.called and self.finish_reason == "stop":
+                self.finish_reason = "tool_calls"
+        self.reasoning.append(parsed.reasoning)
+        self.tool_calls.extend(parsed.tool_calls)
+        return parsed
 
     def _consume(self, token_ids: Sequence[int]) -> tuple[int, str, bool]:
         """Detokenize token by token so a stop string cuts at the token that completed it."""
@@ -106,7 +127,13 @@ class ChoiceState:
 
     @property
     def output_text(self) -> str:
+        """The content (without reasoning and tool calls when a parser split them out)."""
         return "".join(self.text)
+
+    @property
+    def reasoning_text(self) -> str | None:
+        """The reasoning, None without a reasoning parser's split (or when there was none)."""
+        return "".join(self.reasoning) or None
 
 
 class Generation:
@@ -121,6 +148,7 @@ class Generation:
         stops: Sequence[str],
         want_logprobs: bool,
         started_at: float,
+        output_parser: Callable[[], ChatOutputParser] | None = None,
     ):
         self.started_at = started_at  # monotonic seconds when the HTTP request arrived
         self.prompt_lens = [len(p) for p in prompts]
@@ -134,6 +162,7 @@ class Generation:
                 detok=IncrementalDetokenizer(tokenizer, prompts[plan.prompt_index]),
                 stops=StopMatcher(stops) if stops else None,
                 want_logprobs=want_logprobs,
+                parser=output_parser() if output_parser is not None else None,
             )
             self.choices.append(choice)
             self._by_req[req_id] = choice
@@ -177,4 +206,6 @@ class Generation:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
             "cache": tiers,
+            # hkv's: each choice's own prompt cache hits, in choice order (n choices share one prefill)
+            "choices_cached_tokens": [c.cached_tokens for c in sorted(self.choices, key=lambda c: c.index)],
         }

@@ -13,7 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from hkv.config import HkvConfig, KeyHash
-from hkv.openai.protocol import MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOPS, ROLES, ModelLimits
+from hkv.ipc.messages import MAX_LOGIT_BIAS
+from hkv.openai.protocol import MAX_BIAS, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOPS, ROLES, ModelLimits
+from hkv.openai.structured import MAX_CHOICES, STRUCTURED_OUTPUT_FLAGS
+from hkv.openai.tokenize_api import MAX_DETOKENIZE
+from hkv.openai.tools import MAX_TOOLS
 
 JSON = "application/json"
 ERROR_STATUSES = {
@@ -69,12 +73,58 @@ def _sampling(limits: ModelLimits) -> dict[str, Any]:
         "return_token_ids": _nullable({"type": "boolean"}),
         "ignore_eos": _nullable({"type": "boolean"}),
         "best_of": _nullable({"type": "integer", "enum": [1]}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
-        "presence_penalty": _nullable({"type": "number", "enum": [0]}),
-        "frequency_penalty": _nullable({"type": "number", "enum": [0]}),
-        "tools": _nullable({"type": "array", "maxItems": 0}),
-        "response_format": _nullable({"type": "object", "required": ["type"],
-                                      "properties": {"type": {"type": "string", "enum": ["text"]}}}),
+        **_processing(limits),
+        **_structured_output(),
+    }
+
+
+def _processing(limits: ModelLimits) -> dict[str, Any]:
+    """The fields that change the logits before sampling (applied in the order docs/operations.md gives)."""
+    bias = {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS}
+    return {
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1, "description": "default 0"}),
+        "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2, "description": "default 0"}),
+        "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2, "description": "default 0"}),
+        "repetition_penalty": _nullable({"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 2,
+                                         "description": "default 1"}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS, "additionalProperties": bias,
+                                 "description": f"token id (decimal text, below {limits.vocab_size}) -> bias "
+                                                "added to its logit"}),
+    }
+
+
+def _json_schema_value() -> dict[str, Any]:
+    return {"oneOf": [{"type": "object"}, {"type": "string"}], "description": "a JSON schema, or JSON text of one"}
+
+
+def _structured_output() -> dict[str, Any]:
+    """response_format, structured_outputs and guided_* (hkv/openai/structured.py): at most one per request;
+    a schema, regex or grammar that does not compile is a 400 with the compiler's message."""
+    named = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": _nullable({"type": "string"}),
+        "schema": _nullable({"type": "object", "description": "absent: any JSON object"}),
+        "strict": _nullable({"type": "boolean", "description": "the schema is enforced either way"})}}
+    response_format = {"oneOf": [
+        {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"type": "string", "enum": ["json_schema"]}, "json_schema": named}}]}
+    choice = {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"type": "string"}}
+    lark = {"type": "string", "description": "a grammar in llguidance's Lark dialect"}
+    outputs = {"json": _nullable(_json_schema_value()), "regex": _nullable({"type": "string"}),
+               "choice": _nullable(choice), "grammar": _nullable(lark), "json_object": _nullable({"type": "boolean"}),
+               **{flag: _nullable({"type": "boolean"}) for flag in STRUCTURED_OUTPUT_FLAGS}}
+    others = _nullable({"type": "string", "enum": [None]})  # keys hkv does not read must be null
+    return {
+        "response_format": _nullable(response_format),
+        "structured_outputs": _nullable({"type": "object", "properties": outputs, "additionalProperties": others,
+                                         "description": "vLLM's"}),
+        "guided_json": _nullable(_json_schema_value()),
+        "guided_regex": _nullable({"type": "string"}),
+        "guided_grammar": _nullable(lark),
+        "guided_choice": _nullable(choice),
+        "guided_whitespace_pattern": _nullable({"type": "string", "enum": [None],
+                                                "description": "refused: JSON answers are compact"}),
     }
 
 
@@ -87,25 +137,63 @@ def _completion_request(limits: ModelLimits) -> dict[str, Any]:
         ids,
         {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": ids},
     ]}
-    props = {**_sampling(limits), "prompt": prompt,
+    props = {**_sampling(limits), "prompt": prompt, "tools": _nullable({"type": "array", "maxItems": 0}),
              "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
              "echo": _nullable({"type": "boolean", "enum": [False]}),
              "suffix": _nullable({"type": "string", "enum": [""]})}
     return {"type": "object", "required": ["prompt"], "properties": props}
 
 
-def _chat_request(limits: ModelLimits) -> dict[str, Any]:
+_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.\\-]{1,64}$"}
+
+
+def _tool_fields() -> dict[str, Any]:
+    """tools, tool_choice, parallel_tool_calls and chat_template_kwargs (hkv/openai/tools.py)."""
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": _NAME, "description": {"type": "string"}, "strict": {"type": "boolean"},
+        "parameters": {"type": "object", "description": "a JSON schema of the arguments"}}}
+    tool = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]}, "function": function}}
+    return {
+        "tools": _nullable({"type": "array", "maxItems": MAX_TOOLS, "items": tool}),
+        "tool_choice": _nullable({"oneOf": [
+            {"type": "string", "enum": ["auto", "none", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME}}}}],
+            "description": "default auto with tools; \"required\" and a named function force calls (a grammar "
+                           "in the server's tool-call format)"}),
+        "parallel_tool_calls": _nullable({"type": "boolean"}),
+        "chat_template_kwargs": _nullable({"type": "object", "description": "variables for the chat template, "
+                                                                           "e.g. {\"enable_thinking\": false}"}),
+    }
+
+
+def _message() -> dict[str, Any]:
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
     content = {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}
-    message = {"oneOf": [
+    call = {"type": "object", "required": ["type", "function"], "properties": {
+        "id": _nullable({"type": "string"}), "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": _NAME, "arguments": {"oneOf": [{"type": "string"}, {"type": "object"}],
+                                         "description": "a JSON object, or JSON text of one"}}}}}
+    return {"oneOf": [
         {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"type": "string", "enum": sorted(ROLES - {"assistant"})}, "content": content}},
+            "role": {"type": "string", "enum": sorted(ROLES - {"assistant", "tool"})}, "content": content}},
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"type": "string", "enum": ["tool"]}, "content": content,
+            "tool_call_id": _nullable({"type": "string"})}},
         {"type": "object", "required": ["role"], "properties": {
             "role": {"type": "string", "enum": ["assistant"]},
-            "content": _nullable({**content, "description": "null: a turn that only called tools"})}},
+            "content": _nullable({**content, "description": "null: a turn that only called tools"}),
+            "reasoning_content": _nullable({"type": "string"}),
+            "tool_calls": _nullable({"type": "array", "maxItems": MAX_TOOLS, "items": call})}},
     ]}
-    props = {**_sampling(limits), "messages": {"type": "array", "minItems": 1, "items": message},
+
+
+def _chat_request(limits: ModelLimits) -> dict[str, Any]:
+    props = {**_sampling(limits), **_tool_fields(), "messages": {"type": "array", "minItems": 1, "items": _message()},
              "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
              "logprobs": _nullable({"type": "boolean"}),
              "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
@@ -129,11 +217,32 @@ def _schemas(limits: ModelLimits) -> dict[str, Any]:
         "ChatCompletionRequest": _chat_request(limits),
         "Generation": generated,
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-            "object": {"type": "string"}, "data": {"type": "array", "items": {"type": "object"}}}},
+            "object": {"type": "string"}, "data": {"type": "array", "items": _ref("Model")}}},
+        "Model": {"type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len",
+                                                 "vocab_size"], "properties": {
+            "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+            "max_model_len": {"type": "integer", "description": "prompt plus completion tokens of one sequence"},
+            "vocab_size": {"type": "integer", "description": "hkv's: token ids (logit_bias keys) lie below it"}}},
         "Health": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
         "Ready": {"type": "object", "required": ["ready", "draining", "engine"], "properties": {
             "ready": {"type": "boolean"}, "draining": {"type": "boolean"},
             "engine": _nullable({"type": "object"})}},
+        "TokenizeRequest": {"oneOf": [
+            {"type": "object", "required": ["prompt"], "properties": {
+                "prompt": {"type": "string", "minLength": 1}, "add_special_tokens": _nullable({"type": "boolean"})}},
+            {"type": "object", "required": ["messages"], "properties": {
+                "messages": {"type": "array", "minItems": 1, "items": _message()},
+                "add_special_tokens": _nullable({"type": "boolean"}),
+                "add_generation_prompt": _nullable({"type": "boolean"}),
+                **_tool_fields()}}]},
+        "Tokens": {"type": "object", "required": ["tokens", "count", "max_model_len"], "properties": {
+            "tokens": {"type": "array", "items": {"type": "integer"}}, "count": {"type": "integer"},
+            "max_model_len": {"type": "integer"}}},
+        "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {"tokens": {
+            "type": "array", "maxItems": MAX_DETOKENIZE,
+            "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}}}},
+        "Text": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
         "CacheFlushed": {"type": "object", "required": ["flushed"], "properties": {
             k: {"type": "integer"} for k in ("pages", "checkpoints", "cpu_pages", "disk_files")} | {
             "flushed": {"type": "boolean"}}},
@@ -162,6 +271,12 @@ def _get(summary: str, ok: dict[str, Any], *errors: str, security: list | None =
     return {"get": op}
 
 
+def _post(summary: str, schema: str, ok: dict[str, Any], security: list) -> dict[str, Any]:
+    body = {"required": True, "content": {JSON: {"schema": _ref(schema)}}}
+    return {"post": {"summary": summary, "security": security, "requestBody": body,
+                     "responses": {**ok, **_error_responses("400", "401", "404", "408", "413", "503")}}}
+
+
 def openapi_document(cfg: HkvConfig, limits: ModelLimits) -> dict[str, Any]:
     """The description of this server's routes, as configured."""
     server = cfg.server
@@ -181,6 +296,9 @@ def openapi_document(cfg: HkvConfig, limits: ModelLimits) -> dict[str, Any]:
                          _ok("mode and transporter", {"type": "object", "properties": {
                              "mode": {"type": "string", "enum": ["normal", "prefill", "decode", "pd-master"]},
                              "transporter": {"type": "string", "nullable": True}}})),
+        "/tokenize": _post("Token ids of a prompt, or of a chat as its template renders it", "TokenizeRequest",
+                           _ok("the ids", _ref("Tokens")), api),
+        "/detokenize": _post("The text of token ids", "DetokenizeRequest", _ok("the text", _ref("Text")), api),
         "/cache/flush": {"post": {"summary": "Drop unreferenced cache entries on every tier (admin)",
                                   "security": admin,
                                   "responses": {**_ok("what was freed", _ref("CacheFlushed")),

@@ -9,9 +9,16 @@ Two stages:
    unknown fields are ignored because clients send them. A text prompt longer
    than the context could hold in characters (`max_prompt_chars`) is refused
    here, before it costs a tokenization.
-2. Once the prompts are tokenized, `plan_sequences` checks token counts
-   against the context length and the KV capacity and fans each prompt out
-   into `n` sequences with their own seeds.
+   Structured output (response_format, structured_outputs, guided_*) is
+   compiled here (hkv/openai/structured.py); tools are read by
+   hkv/openai/tools.py.
+2. Once a chat is rendered, `constrain_chat` adds what depends on its prompt:
+   a forced tool call's grammar (hkv/openai/tool_grammar.py), or the
+   structured output placed after the reasoning the prompt opened. Once the
+   prompts are tokenized, `plan_sequences` checks token counts against the
+   context length and the KV capacity and fans each prompt out into `n`
+   sequences with their own seeds, each with the request's logits processing
+   and constraint.
 
 Defaults: `max_tokens` absent means 16 for /v1/completions (as OpenAI does)
 and "whatever fits" for /v1/chat/completions, both capped by the room left in
@@ -20,15 +27,22 @@ the context and the KV cache.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from hkv.ipc.messages import SamplingParams
+from hkv.ipc.messages import MAX_LOGIT_BIAS, Constraint, SamplingParams
+from hkv.openai.chat_output import prompt_opens_reasoning
+from hkv.openai.structured import ConstraintError, after_reasoning, check, parse_constraint
+from hkv.openai.tool_grammar import forced_call_grammar
+from hkv.openai.tools import ChatTools, ToolError, json_chars, parse_template_kwargs, parse_tool_calls, parse_tools
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one batched /v1/completions request
@@ -38,7 +52,9 @@ MAX_LOGPROBS = 5
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SEED_MODULUS = 2**63  # seeds handed to the router lie in [0, 2**63)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+_TOKEN_KEY = re.compile(r"^(0|[1-9][0-9]{0,9})$")  # a logit_bias key: a token id in decimal
 IMAGE_PARTS = frozenset({"image_url", "image", "input_image"})
 AUDIO_PARTS = frozenset({"input_audio", "audio"})
 
@@ -60,6 +76,20 @@ class ProtocolError(Exception):
 
 def _bad(param: str | None, message: str, code: str | None = None) -> ProtocolError:
     return ProtocolError(400, message, param, code)
+
+
+def _not_too_deep(parse: Callable) -> Callable:
+    """A body nested nearly as deep as the decoder allows can still overflow Python's recursion limit
+    when a part of it is written out again (a schema as JSON text, tools through the template): a 400."""
+
+    @functools.wraps(parse)
+    def run(*args, **kwargs):
+        try:
+            return parse(*args, **kwargs)
+        except RecursionError:
+            raise _bad(None, "the request nests too deeply") from None
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -114,6 +144,12 @@ class Options:
     include_usage: bool
     return_token_ids: bool
     ignore_eos: bool
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    constraint: Constraint | None = None  # structured output, checked to compile (hkv/openai/structured.py)
 
 
 @dataclass(frozen=True)
@@ -126,12 +162,24 @@ class CompletionRequest:
 class ChatMessage:
     role: str
     content: str  # text parts joined with "\n"
+    tool_calls: tuple[dict, ...] | None = None  # assistant: its calls, arguments as objects (hkv/openai/tools.py)
+    tool_call_id: str | None = None  # tool: the call it answers
+    name: str | None = None
+    reasoning_content: str | None = None  # assistant: an earlier turn's reasoning, for templates that show it
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (absent fields left out)."""
+        fields = {"role": self.role, "content": self.content, "tool_calls": self.tool_calls,
+                  "tool_call_id": self.tool_call_id, "name": self.name, "reasoning_content": self.reasoning_content}
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in fields.items() if v is not None}
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     messages: tuple[ChatMessage, ...]
     options: Options
+    tools: ChatTools = field(default_factory=ChatTools)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
 
 @dataclass(frozen=True)
@@ -204,7 +252,7 @@ def _check_model(body: dict, limits: ModelLimits) -> None:
         raise ProtocolError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(body: dict, chat: bool = False) -> None:
     """Fields that change the output; ignoring them would silently give wrong answers."""
     if body.get("echo") not in (None, False):
         raise _bad("echo", "`echo` is not supported")
@@ -212,16 +260,10 @@ def _refuse_unsupported(body: dict) -> None:
         raise _bad("suffix", "`suffix` is not supported")
     if body.get("best_of") not in (None, 1):
         raise _bad("best_of", "`best_of` is not supported")
-    if body.get("logit_bias") not in (None, {}):
-        raise _bad("logit_bias", "`logit_bias` is not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise _bad(name, f"`{name}` is not supported")
-    if body.get("tools") not in (None, []):
-        raise _bad("tools", "`tools` are not supported")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise _bad("response_format", "only `response_format` {\"type\": \"text\"} is supported")
+    if not chat and body.get("tools") not in (None, []):
+        raise _bad("tools", "`tools` are a /v1/chat/completions field")
+    if not chat and body.get("tool_choice") not in (None, "none", "auto"):
+        raise _bad("tool_choice", "`tool_choice` is a /v1/chat/completions field")
 
 
 def _stops(body: dict) -> tuple[str, ...]:
@@ -257,11 +299,51 @@ def _top_k(body: dict, vocab_size: int) -> int | None:
     return None if top_k is None or top_k >= vocab_size else top_k
 
 
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    """`logit_bias`: {"token id": bias}, OpenAI's keys being token ids written as strings."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"`logit_bias` must be an object of at most {MAX_LOGIT_BIAS} token ids to biases")
+    bias = {}
+    for key, number in value.items():
+        if not _TOKEN_KEY.match(key) or int(key) >= vocab_size:
+            raise _bad("logit_bias", f"`logit_bias` key {key!r} is not a token id in [0, {vocab_size})")
+        if type(number) not in (int, float) or not -MAX_BIAS <= number <= MAX_BIAS:
+            raise _bad("logit_bias", f"`logit_bias` value of token {key} must be a number in [-{MAX_BIAS:g}, "
+                                     f"{MAX_BIAS:g}], got {number!r}")
+        bias[int(key)] = float(number)
+    return bias
+
+
+def _constraint(body: dict, ignore_eos: bool) -> Constraint | None:
+    """The structured output the body asks for, compiled (hkv/openai/structured.py)."""
+    try:
+        constraint = parse_constraint(body)
+    except ConstraintError as exc:
+        raise _bad(exc.param, str(exc)) from None
+    if constraint is not None and ignore_eos:
+        raise _bad("ignore_eos", "`ignore_eos` cannot go with structured output: a finished grammar allows only EOS")
+    return constraint
+
+
+def _processing(body: dict, vocab_size: int, ignore_eos: bool) -> dict[str, Any]:
+    """The Options fields that change the logits before sampling (hkv/ipc/messages.py's SamplingParams)."""
+    fields = {"min_p": _opt_float(body, "min_p", 0.0, 1.0),
+              "presence_penalty": _opt_float(body, "presence_penalty", -2.0, 2.0),
+              "frequency_penalty": _opt_float(body, "frequency_penalty", -2.0, 2.0),
+              "repetition_penalty": _opt_float(body, "repetition_penalty", 0.0, 2.0, lo_open=True)}
+    return {k: v for k, v in fields.items() if v is not None} | {"logit_bias": _logit_bias(body, vocab_size),
+                                                                 "constraint": _constraint(body, ignore_eos)}
+
+
 def _options(body: dict, limits: ModelLimits, max_tokens: int | None, logprobs: int | None) -> Options:
     stream = bool(_opt_bool(body, "stream"))
     temperature = _opt_float(body, "temperature", 0.0, 2.0)
     top_p = _opt_float(body, "top_p", 0.0, 1.0, lo_open=True)
     seed = _opt_int(body, "seed", INT64_MIN, INT64_MAX)
+    ignore_eos = bool(_opt_bool(body, "ignore_eos"))
     return Options(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -274,10 +356,12 @@ def _options(body: dict, limits: ModelLimits, max_tokens: int | None, logprobs: 
         stream=stream,
         include_usage=_include_usage(body, stream),
         return_token_ids=bool(_opt_bool(body, "return_token_ids")),
-        ignore_eos=bool(_opt_bool(body, "ignore_eos")),
+        ignore_eos=ignore_eos,
+        **_processing(body, limits.vocab_size, ignore_eos),
     )
 
 
+@_not_too_deep
 def parse_completion(body: dict[str, Any], limits: ModelLimits) -> CompletionRequest:
     """Validate a /v1/completions body (prompt shapes, ranges, model)."""
     _check_model(body, limits)
@@ -350,12 +434,20 @@ def _id_prompt(ids: list, vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
+@_not_too_deep
 def parse_chat(body: dict[str, Any], limits: ModelLimits) -> ChatRequest:
     """Validate a /v1/chat/completions body (messages, ranges, model)."""
     _check_model(body, limits)
-    _refuse_unsupported(body)
-    messages = _messages(body.get("messages"))
-    _check_text_size(sum(len(m.content) for m in messages), limits)
+    _refuse_unsupported(body, chat=True)
+    try:
+        messages = _messages(body.get("messages"))
+        tools = parse_tools(body)
+        template_kwargs = parse_template_kwargs(body)
+    except ToolError as exc:
+        raise _bad(exc.param, str(exc)) from None
+    calls = [m.tool_calls for m in messages if m.tool_calls]
+    _check_text_size(sum(len(m.content) for m in messages) + json_chars(list(tools.tools)) + json_chars(calls)
+                     + json_chars(template_kwargs), limits)
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
@@ -364,7 +456,39 @@ def parse_chat(body: dict[str, Any], limits: ModelLimits) -> ChatRequest:
     if top is not None and not want_logprobs:
         raise _bad("top_logprobs", "`top_logprobs` requires `logprobs` to be true")
     options = _options(body, limits, max_tokens, (top or 0) if want_logprobs else None)
-    return ChatRequest(messages, options)
+    if tools.choice == "required":
+        _check_forced_call(options)
+    return ChatRequest(messages, options, tools, template_kwargs)
+
+
+def _check_forced_call(options: Options) -> None:
+    """A forced tool call is a grammar of its own: no second constraint, and EOS must end it."""
+    if options.constraint is not None:
+        raise _bad("tool_choice", "`tool_choice` \"required\" or a named function cannot go with structured "
+                                  "output (response_format, structured_outputs, guided_*): the answer is tool calls")
+    if options.ignore_eos:
+        raise _bad("ignore_eos", "`ignore_eos` cannot go with `tool_choice` \"required\" or a named function: "
+                                 "the calls end with EOS")
+
+
+@_not_too_deep
+def constrain_chat(req: ChatRequest, prompt: str, tool_parser: str | None, reasoning_parser: str | None) -> Options:
+    """The request's options with the constraint its rendered `prompt` calls for: the grammar of a forced
+    tool call (hkv/openai/tool_grammar.py), or its structured output behind the reasoning the prompt
+    opened when a reasoning parser will split that reasoning out."""
+    opened = prompt_opens_reasoning(prompt)
+    options = req.options
+    try:
+        if req.tools.choice == "required":
+            if tool_parser is None:
+                raise _bad("tool_choice", "this server reads no tool calls from answers (--tool-call-parser)")
+            grammar = forced_call_grammar(req.tools, tool_parser, opened)
+            return dataclasses.replace(options, constraint=check(Constraint("lark", grammar), "tools"))
+        if options.constraint is not None and opened and reasoning_parser is not None:
+            return dataclasses.replace(options, constraint=check(after_reasoning(options.constraint), None))
+    except (ToolError, ConstraintError) as exc:
+        raise _bad(exc.param, str(exc)) from None
+    return options
 
 
 def _messages(value: Any) -> tuple[ChatMessage, ...]:
@@ -382,7 +506,17 @@ def _message(message: Any, index: int) -> ChatMessage:
         raise _bad(f"{param}.role", f"`{param}.role` is required")
     if not isinstance(role, str) or role not in ROLES:
         raise _bad(f"{param}.role", f"`{param}.role` must be one of {sorted(ROLES)}, got {role!r}")
-    return ChatMessage(role, _content(message.get("content"), role, f"{param}.content"))
+    extra = {}
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            raise _bad(f"{param}.{key}", f"`{param}.{key}` must be a string, got {_json_type(value)}")
+        extra[key] = value
+    if role == "assistant":
+        extra["tool_calls"] = parse_tool_calls(message.get("tool_calls"), f"{param}.tool_calls")
+    elif message.get("tool_calls") is not None:
+        raise _bad(f"{param}.tool_calls", f"`{param}.tool_calls` belongs to assistant messages")
+    return ChatMessage(role, _content(message.get("content"), role, f"{param}.content"), **extra)
 
 
 def _content(value: Any, role: str, param: str) -> str:
@@ -471,6 +605,12 @@ def plan_sequences(
                 seed=(seed + i) % SEED_MODULUS,
                 ignore_eos=options.ignore_eos,
                 logprobs=options.logprobs,
+                min_p=options.min_p,
+                presence_penalty=options.presence_penalty,
+                frequency_penalty=options.frequency_penalty,
+                repetition_penalty=options.repetition_penalty,
+                logit_bias=options.logit_bias,
+                constraint=options.constraint,
             )
             plans.append(SequencePlan(choice=p * options.n + i, prompt_index=p, sampling=sampling))
     return plans

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from hkv.ipc.messages import TopLogprob
+from hkv.openai.chat_output import ToolCallDelta, merge_tool_calls
 from hkv.openai.detok import Decoder
 from hkv.openai.generation import ChoiceState, ChoiceUpdate, Generation
 
@@ -100,7 +101,7 @@ class _Format:
 
     def _worth_sending(self, update: ChoiceUpdate) -> bool:
         """Tokens that printed nothing yet (half a character) only matter to token-level clients."""
-        if update.text or update.finish_reason is not None:
+        if update.text or update.reasoning or update.tool_calls or update.finish_reason is not None:
             return True
         return bool(update.token_ids) and (self.return_token_ids or update.logprobs is not None)
 
@@ -178,9 +179,15 @@ class ChatFormat(_Format):
         return b"".join(frames)
 
     def _full_choice(self, choice: ChoiceState) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.output_text}
+        if choice.reasoning_text is not None:
+            message["reasoning_content"] = choice.reasoning_text
+        if choice.tool_calls:
+            message["tool_calls"] = merge_tool_calls(choice.tool_calls)
+            message["content"] = message["content"] or None  # OpenAI: a turn of calls alone has null content
         out: dict[str, Any] = {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.output_text},
+            "message": message,
             "logprobs": None,
             "finish_reason": choice.finish_reason,
         }
@@ -193,9 +200,14 @@ class ChatFormat(_Format):
     def chunk(self, update: ChoiceUpdate) -> bytes:
         if not self._worth_sending(update):
             return b""
+        delta: dict[str, Any] = {"content": update.text} if update.text else {}
+        if update.reasoning:
+            delta["reasoning_content"] = update.reasoning
+        if update.tool_calls:
+            delta["tool_calls"] = [_tool_call_chunk(c) for c in update.tool_calls]
         out: dict[str, Any] = {
             "index": update.index,
-            "delta": {"content": update.text} if update.text else {},
+            "delta": delta,
             "logprobs": None,
             "finish_reason": update.finish_reason,
         }
@@ -204,3 +216,12 @@ class ChatFormat(_Format):
         if self.return_token_ids:
             out["token_ids"] = update.token_ids
         return self._chunk_frame(out)
+
+
+def _tool_call_chunk(call: ToolCallDelta) -> dict[str, Any]:
+    """A streamed tool-call fragment: the first names the call (id, type, function name), the rest only
+    carry more of its arguments, as OpenAI streams them."""
+    if call.id is None:
+        return {"index": call.index, "function": {"arguments": call.arguments}}
+    return {"index": call.index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}

@@ -9,10 +9,12 @@ import openai
 import pytest
 
 from hkv.config import KeyHash
+from hkv.ipc.messages import Constraint
+from hkv.models.loader import describe_model
 from tests.actors.api_harness import Harness, running
 from tests.actors.fake_router import EOS_AFTER, SCRIPT
 from tests.openai.malformed_cases import MALFORMED_CASES
-from tests.openai.tokenizer_fixture import tiny_tokenizer
+from tests.openai.tokenizer_fixture import tiny_dense_folder, tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,6 +85,7 @@ async def test_completion_non_streaming_shape(api):
         "total_tokens": prompt_len + 6,
         "prompt_tokens_details": {"cached_tokens": 0},
         "cache": {"gpu": 0, "cpu": 0, "disk": 0, "peer": 0},
+        "choices_cached_tokens": [0],
     }
 
 
@@ -160,6 +163,7 @@ async def test_n_choices_have_own_indices_and_seeds(api):
     assert [g.sampling.seed for g in api.router.generated] == [10, 11]
     assert full["usage"]["completion_tokens"] == 8
     assert full["usage"]["prompt_tokens"] == len(tiny_tokenizer().encode("Hello"))  # a shared prompt counts once
+    assert full["usage"]["choices_cached_tokens"] == [0, 0]
     events = await api.sse("/v1/completions", body)
     assert {_stream_text(events, i) for i in (0, 1)} == {c["text"] for c in full["choices"]}
 
@@ -378,3 +382,28 @@ async def test_a_prefill_for_a_peer_asks_a_device_hold_only_for_one_prompt():
         assert all(g.for_peer and not g.device_hold for g in two) and len({g.req_id for g in two}) == 2
         status, _ = await api.post("/v1/completions", {"prompt": "Hello there", "max_tokens": 1})
         assert status == 200 and not api.router.generated[-1].for_peer and not api.router.generated[-1].device_hold
+
+
+async def test_sampling_fields_and_constraints_reach_the_router():
+    async with running(tool_call_parser="hermes") as api:
+        status, _ = await api.post("/v1/completions", {
+            "prompt": "Hi", "max_tokens": 2, "min_p": 0.2, "presence_penalty": 1, "frequency_penalty": -1,
+            "repetition_penalty": 1.1, "logit_bias": {"5": -100}, "guided_regex": "[ab]+"})
+        s = api.router.generated[-1].sampling
+        assert status == 200 and (s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (
+            0.2, 1.0, -1.0, 1.1)
+        assert s.logit_bias == {5: -100.0} and s.constraint == Constraint("regex", "[ab]+")
+        tool = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer"}}}}}
+        body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "max_tokens": 2, "n": 2,
+                "tool_choice": {"type": "function", "function": {"name": "f"}}}
+        status, _ = await api.post("/v1/chat/completions", body)
+        constraints = [g.sampling.constraint for g in api.router.generated[-2:]]
+        assert status == 200 and constraints[0] == constraints[1] and constraints[0].kind == "lark"
+        assert constraints[0].spec.startswith('start: call\ncall: call_0\ncall_0: "<tool_call>\\n{\\"name\\": \\"f\\"')
+        status, error = await api.post("/v1/chat/completions", {**body, "tool_choice": {
+            "type": "function", "function": {"name": "g"}}})
+        assert status == 400 and error["error"]["param"] == "tool_choice.function.name"
+        async with api.http.get(api.url + "/v1/models") as resp:
+            card = (await resp.json())["data"][0]
+        assert card["vocab_size"] == describe_model(tiny_dense_folder()).vocab_size and card["max_model_len"] == 4096

@@ -214,7 +214,7 @@ async def test_openapi_lists_every_route_the_app_serves():
         async with api.http.get(api.url + "/openapi.json") as resp:
             doc = await resp.json()
         served = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics",
-                  "/openapi.json", "/cache/flush", "/pd/info"}
+                  "/openapi.json", "/cache/flush", "/pd/info", "/tokenize", "/detokenize"}
         assert set(doc["paths"]) == served
         for path, ops in doc["paths"].items():
             for op in ops.values():

@@ -7,6 +7,7 @@ from dataclasses import FrozenInstanceError
 
 import pytest
 
+from hkv.ipc.messages import Constraint
 from hkv.openai.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatMessage,
@@ -124,9 +125,26 @@ def test_model_alias_and_unknown_model():
         ("return_token_ids", 0, "return_token_ids"),
         ("echo", True, "echo"),
         ("best_of", 2, "best_of"),
-        ("logit_bias", {"5": 1}, "logit_bias"),
-        ("presence_penalty", 0.5, "presence_penalty"),
-        ("response_format", {"type": "json_object"}, "response_format"),
+        ("logit_bias", {"100": 1}, "logit_bias"),
+        ("logit_bias", {"-1": 1}, "logit_bias"),
+        ("logit_bias", {"05": 1}, "logit_bias"),
+        ("logit_bias", {"a": 1}, "logit_bias"),
+        ("logit_bias", {"5": 100.5}, "logit_bias"),
+        ("logit_bias", {"5": True}, "logit_bias"),
+        ("logit_bias", {"5": "1"}, "logit_bias"),
+        ("logit_bias", [5], "logit_bias"),
+        ("logit_bias", {str(i): 1 for i in range(301)}, "logit_bias"),
+        ("presence_penalty", 2.5, "presence_penalty"),
+        ("frequency_penalty", -2.01, "frequency_penalty"),
+        ("frequency_penalty", "1", "frequency_penalty"),
+        ("repetition_penalty", 0, "repetition_penalty"),
+        ("repetition_penalty", 2.1, "repetition_penalty"),
+        ("min_p", 1.5, "min_p"),
+        ("min_p", -0.1, "min_p"),
+        ("response_format", {"type": "xml"}, "response_format.type"),
+        ("guided_regex", "a(", "guided_regex"),
+        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"),
+        ("tool_choice", "required", "tool_choice"),
         ("stream_options", [], "stream_options"),
     ],
 )
@@ -177,7 +195,7 @@ def test_chat_messages_and_parts():
         ChatMessage("system", "be brief"),
         ChatMessage("user", "a\nb"),
         ChatMessage("assistant", ""),
-        ChatMessage("tool", "42"),
+        ChatMessage("tool", "42", tool_call_id="x"),
     )
     assert req.options.max_tokens == 5  # max_completion_tokens wins
 
@@ -254,6 +272,38 @@ def test_plan_sequences_fans_out_with_seeds():
     plans = plan_sequences([2, 1], req.options, LIMITS, 16, base_seed=1000)
     assert [(p.choice, p.prompt_index, p.sampling.seed) for p in plans] == [(0, 0, 7), (1, 0, 8), (2, 1, 7), (3, 1, 8)]
     assert all(p.sampling.max_tokens == 3 and p.sampling.temperature == 0.5 for p in plans)
+
+
+def test_penalties_min_p_and_logit_bias_are_parsed_and_planned():
+    body = {"prompt": "x", "n": 2, "min_p": 0.1, "presence_penalty": -2, "frequency_penalty": 1.5,
+            "repetition_penalty": 1.2, "logit_bias": {"0": -100, "99": 2.5, "7": 0}}
+    o = parse_completion(body, LIMITS).options
+    assert (o.min_p, o.presence_penalty, o.frequency_penalty, o.repetition_penalty) == (0.1, -2.0, 1.5, 1.2)
+    assert o.logit_bias == {0: -100.0, 99: 2.5, 7: 0.0}
+    for plan in plan_sequences([1], o, LIMITS, 16, base_seed=0):
+        s = plan.sampling
+        assert (s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.1, -2.0, 1.5, 1.2)
+        assert s.logit_bias == {0: -100.0, 99: 2.5, 7: 0.0} and s.constraint is None
+
+
+def test_processing_defaults_leave_the_logits_alone():
+    chat = parse_chat({"messages": USER, "presence_penalty": None, "logit_bias": {}}, LIMITS).options
+    (plan,) = plan_sequences([1], chat, LIMITS, None, base_seed=0)
+    assert (chat.min_p, chat.presence_penalty, chat.frequency_penalty, chat.repetition_penalty) == (0, 0, 0, 1)
+    assert not plan.sampling.processed
+
+
+def test_structured_output_reaches_every_sequence():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    o = parse_chat({"messages": USER, "n": 3, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}}, LIMITS).options
+    plans = plan_sequences([1], o, LIMITS, None, base_seed=0)
+    assert [p.sampling.constraint for p in plans] == [Constraint("json_schema", json.dumps(schema))] * 3
+
+
+def test_structured_output_refuses_ignore_eos():
+    err = _err(parse_completion, {"prompt": "x", "guided_regex": "[ab]+", "ignore_eos": True}, LIMITS)
+    assert (err.status, err.param) == (400, "ignore_eos") and "only EOS" in err.message
 
 
 def test_plan_sequences_draws_seed_and_wraps_negative():
