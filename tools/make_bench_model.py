@@ -41,9 +41,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from hkv.models.tiny import ENDOFTEXT, IM_END, build_tokenizer, qwen3_5_text_config, tokenizer_config
+from hkv.models.tiny import ENDOFTEXT, IM_END, SPECIAL_TOKENS, build_tokenizer, qwen3_5_text_config, tokenizer_config
 
 FULL_ATTENTION_INTERVAL = 4
 DEFAULTS = dict(layers=24, hidden_size=2048, intermediate_size=6144, vocab_size=151_936)
@@ -268,14 +269,29 @@ def write_weights(out_dir: Path, specs: list[TensorSpec], seed: int, shard_bytes
                                                             "weight_map": weight_map})
 
 
+def load_tokenizer(path: Path | None) -> Tokenizer:
+    """The built-in tiny tokenizer, or a tokenizer.json that has its special tokens (a benchmark that
+    needs a large vocabulary, structured output's masks say, brings one: tools/bench_grammar.py trains one)."""
+    if path is None:
+        return build_tokenizer()
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own Exception type for a bad file
+        raise ValueError(f"--tokenizer {path}: not a tokenizers JSON file ({exc})") from None
+    missing = [t for t in SPECIAL_TOKENS if tok.token_to_id(t) is None]
+    if missing:
+        raise ValueError(f"--tokenizer {path}: lacks the special tokens {missing}")
+    return tok
+
+
 def write_bench_model(out_dir: Path, seed: int = 0, shard_gb: float = 2.0, progress: bool = True,
-                      moe: bool = False, **dims: int) -> dict:
+                      moe: bool = False, tokenizer: Path | None = None, **dims: int) -> dict:
     """Write the benchmark model (moe: the MoE one) into out_dir (created; must be empty); dims override
-    DEFAULTS (MOE_DEFAULTS). Returns its config."""
+    DEFAULTS (MOE_DEFAULTS); tokenizer: a tokenizer.json to ship instead of the built-in one. Returns its config."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} is not empty")
-    tok = build_tokenizer()
+    tok = load_tokenizer(tokenizer)
     eot, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
     if moe:
         config = moe_bench_config(**{**MOE_DEFAULTS, **dims}, eot=eot, im_end=im_end)
@@ -307,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"{key.replace('_', ' ')}; smaller only for tests{'' if dense else ' (--moe)'} "
                             f"(default: {default})")
     p.add_argument("--shard-gb", type=float, default=2.0, help="safetensors shard size in GB (default: 2.0)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a tokenizer.json (with <|endoftext|>, <|im_start|>, <|im_end|>) to ship instead of the "
+                        "built-in 4,096-token one; the vocabulary must fit --vocab-size (default: the built-in one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (default: shown)")
     args = p.parse_args(argv)
     defaults = MOE_DEFAULTS if args.moe else DEFAULTS
@@ -319,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.moe and dims["experts_per_token"] > dims["experts"]:
         p.error(f"--experts-per-token {dims['experts_per_token']} exceeds --experts {dims['experts']}")
     try:
-        config = write_bench_model(args.out_dir, args.seed, args.shard_gb, not args.no_progress, args.moe, **dims)
+        config = write_bench_model(args.out_dir, args.seed, args.shard_gb, not args.no_progress, args.moe,
+                                   args.tokenizer, **dims)
     except (FileExistsError, ValueError) as exc:
         p.error(str(exc))
     count = parameter_count(config)

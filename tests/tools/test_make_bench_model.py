@@ -116,3 +116,26 @@ def test_moe_flags_need_moe(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([str(tmp_path / "m"), *MOE_SMALL, "--experts-per-token", "9"])
     assert exc.value.code == 2 and "exceeds --experts 8" in capsys.readouterr().err
+
+
+def test_ships_a_given_tokenizer_and_refuses_one_without_the_special_tokens(tmp_path, capsys):
+    """--tokenizer: a benchmark that needs a large vocabulary (structured output's masks) brings its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from hkv.models.tiny import SPECIAL_TOKENS, build_tokenizer
+
+    given = build_tokenizer()
+    given.add_tokens(["<think>", "</think>"])
+    path = tmp_path / "given.json"
+    given.save(str(path))
+    tiny = ["--layers", "1", "--hidden-size", "8", "--intermediate-size", "8", "--vocab-size", "4160", "--no-progress"]
+    assert main([str(tmp_path / "m"), *tiny, "--tokenizer", str(path)]) == 0
+    shipped = Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+    assert shipped.get_vocab_size() == given.get_vocab_size() and shipped.token_to_id("</think>") is not None
+    bare = Tokenizer(models.BPE())
+    bare.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bare.save(str(tmp_path / "bare.json"))
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "n"), *tiny, "--tokenizer", str(tmp_path / "bare.json")])
+    assert exc.value.code == 2
+    assert f"lacks the special tokens {list(SPECIAL_TOKENS)}" in capsys.readouterr().err
