@@ -31,16 +31,13 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from hkv.cache.transaction import Hold
 from hkv.cache.types import PeerCopy
+from hkv.engine.sequence import Sequence
 from hkv.ipc.messages import GenerateRequest, PdFetch, PdFetched, PdRelease, PeerHold, TokenDelta
-
-if TYPE_CHECKING:
-    from hkv.engine.scheduler import Sequence
 
 _fetch_ids = itertools.count(1)
 MAX_PEER_HOLDS = 256  # prefill mode: device prefixes held for decode peers at once; past it none is offered

@@ -28,13 +28,10 @@ import json
 import secrets
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 from hkv.cache.types import PeerRecv, PeerSend
+from hkv.engine.sequence import Sequence
 from hkv.ipc.messages import PdPairAsk, PdPairSend, PeerDevice, TokenDelta, TransferDone
-
-if TYPE_CHECKING:
-    from hkv.engine.scheduler import Sequence
 
 PAIR_POLL_S = 0.002  # a router with transfers out and nothing to run asks the ranks this often
 MAX_PAIR_PEERS = 64  # prefill peers whose pair group prefix the decode router remembers

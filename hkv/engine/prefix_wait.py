@@ -11,10 +11,7 @@ for that prefix, when it would gain at least `SchedulerLimits.prefix_wait_min`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hkv.engine.scheduler import Sequence
+from hkv.engine.sequence import Sequence
 
 PREFIX_WAIT_SCAN = 256  # waiting sequences held for a prefix in one step, past which the step admits no more
 

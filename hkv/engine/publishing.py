@@ -10,12 +10,8 @@ cache with it (Scheduler._fail).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from hkv.engine.sequence import Sequence
 from hkv.ipc.messages import Chunk, StepPlan
-
-if TYPE_CHECKING:
-    from hkv.engine.scheduler import Sequence
 
 
 class Publishing:

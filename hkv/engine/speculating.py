@@ -10,12 +10,8 @@ that length publishes, and the emitted tokens are appended (docs/spec.md).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from hkv.engine.sequence import Sequence
 from hkv.ipc.messages import Chunk, TokenDelta
-
-if TYPE_CHECKING:
-    from hkv.engine.scheduler import Sequence
 
 
 class Speculating:
