@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default: 0)")
     p.add_argument("--vocab", type=int, default=None,
                    help=f"token ids are drawn from [{MIN_TOKEN_ID}, vocab) (default: --model-path's vocab_size, "
-                        f"else {DEFAULT_VOCAB})")
+                        f"else the server's (/v1/models), else {DEFAULT_VOCAB})")
     p.add_argument("--model-path", type=Path, default=None,
                    help="the served checkpoint folder: its vocab_size, and the model of --baseline (default: none)")
     p.add_argument("--page-size", type=int, default=16, help="page size of the ideal cache (default: 16)")
@@ -227,6 +227,7 @@ class Run:
     """What the timed phase produced, for the report."""
 
     model: dict  # the server's /v1/models card
+    workload: dict  # the workload's parameters, as reported (build_workload)
     results: list[RequestResult]  # timed requests in the order sent
     started: float  # perf_counter at the first request
     ended: float  # perf_counter at the last request's end
@@ -238,13 +239,24 @@ class Run:
         return [r for r in self.results if r.error is None]
 
 
-async def run_benchmark(args: argparse.Namespace, sessions: list[Session]) -> Run:
-    """Warm up, flush the cache, then run the workload between two /metrics scrapes."""
+def server_vocab(args: argparse.Namespace, model: dict) -> None:
+    """Without --vocab or --model-path, prompt ids come from the server's vocabulary (/v1/models' vocab_size,
+    an hkv extension), so a model under DEFAULT_VOCAB tokens gets no id it would refuse."""
+    size = model.get("vocab_size")
+    if args.vocab_source == "default" and isinstance(size, int) and size > MIN_TOKEN_ID:
+        args.vocab, args.vocab_source = size, "server"
+
+
+async def run_benchmark(args: argparse.Namespace) -> Run:
+    """Read the server's model card, build the workload, warm up, flush the cache, then run the workload
+    between two /metrics scrapes."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=args.timeout)
     async with aiohttp.ClientSession(timeout=timeout, headers=headers,
                                      connector=aiohttp.TCPConnector(limit=0)) as http:
         model = await _server_model(http, args.url)
+        server_vocab(args, model)
+        workload, sessions = build_workload(args)
         need, allowed = longest_sequence(sessions, args.output_len), model.get("max_model_len")
         if allowed is not None and need > allowed:
             raise BenchError(f"the workload needs sequences of {need} tokens; the server allows {allowed}")
@@ -273,10 +285,10 @@ async def run_benchmark(args: argparse.Namespace, sessions: list[Session]) -> Ru
             bar.close()
         ended = max((r.finished_at for r in results if r.finished_at is not None), default=time.perf_counter())
         after = await scrape_metrics(http, args.url)
-    return Run(model, results, started, ended, before, after)
+    return Run(model, workload, results, started, ended, before, after)
 
 
-def build_report(args: argparse.Namespace, workload: dict, run: Run) -> dict:
+def build_report(args: argparse.Namespace, run: Run) -> dict:
     """Every figure of the run, as written by --json."""
     done = run.done
     ideal = ideal_hits([(r.prompt, r.output) for r in run.results], args.page_size)
@@ -288,7 +300,7 @@ def build_report(args: argparse.Namespace, workload: dict, run: Run) -> dict:
             "seed": args.seed, "concurrency": args.concurrency, "request_rate": _finite(args.request_rate),
             "warmup": args.warmup, "page_size": args.page_size, "flushed": not args.no_flush,
         },
-        "workload": workload,
+        "workload": run.workload,
         "requests": {
             "sent": len(run.results), "completed": len(done), "failed": len(failed),
             "first_error": failed[0].error if failed else None,
@@ -327,13 +339,12 @@ def add_baseline(args: argparse.Namespace, report: dict, run: Run) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    workload, sessions = build_workload(args)
     try:
-        run = asyncio.run(run_benchmark(args, sessions))
+        run = asyncio.run(run_benchmark(args))
     except BenchError as exc:
         print(f"hkv-bench: {exc}", file=sys.stderr)
         return 1
-    report = build_report(args, workload, run)
+    report = build_report(args, run)
     if args.baseline and run.done:
         add_baseline(args, report, run)
     if args.plot_dir is not None:

@@ -40,7 +40,7 @@ def test_add_baseline_reports_the_ratio(tiny_qwen3):
     outputs = run_hf_baseline(tiny_qwen3, PROMPTS[:2], batch_size=2, output_len=4, progress=False)["outputs"]
     done = [RequestResult(tuple(p), 0.0, output=o if i == 0 else [1, 2, 3, 4], finished_at=1.0)
             for i, (p, o) in enumerate(zip(PROMPTS[:2], outputs))]
-    run = hkv_bench.Run({"id": "m"}, done, 0.0, 1.0, None, None)
+    run = hkv_bench.Run({"id": "m"}, {"name": "random"}, done, 0.0, 1.0, None, None)
     args = argparse.Namespace(baseline_num_prompts=None, model_path=tiny_qwen3, concurrency=2, output_len=4,
                               no_progress=True)
     report = {"throughput": {"output_tokens_per_s": 8.0}}

@@ -27,6 +27,7 @@ class FakeServer:
         self.bodies: list[dict] = []
         self.flushes = 0
         self.scrapes = 0
+        self.vocab: int | None = None  # the vocab_size its /v1/models card gives (hkv's extension), if any
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -46,7 +47,8 @@ class FakeServer:
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "fake", "max_model_len": 4096}]})
+        card = {"id": "fake", "max_model_len": 4096}
+        return web.json_response({"data": [card if self.vocab is None else {**card, "vocab_size": self.vocab}]})
 
     async def flush(self, request: web.Request) -> web.Response:
         self.flushes += 1
@@ -77,9 +79,8 @@ async def fake():
 
 async def _bench(argv: list[str]) -> dict:
     args = hkv_bench.parse_args([*argv, "--no-progress"])
-    workload, sessions = hkv_bench.build_workload(args)
-    run = await hkv_bench.run_benchmark(args, sessions)
-    return hkv_bench.build_report(args, workload, run)
+    run = await hkv_bench.run_benchmark(args)
+    return hkv_bench.build_report(args, run)
 
 
 async def test_shared_prefix_run_and_its_report(fake):
@@ -146,6 +147,17 @@ def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
         hkv_bench.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and message in err[0]
+
+
+async def test_prompt_ids_come_from_the_servers_vocabulary_unless_a_flag_gives_one(fake):
+    """Issue 38: a model of fewer than DEFAULT_VOCAB tokens refused the warm-up's ids; /v1/models' vocab_size
+    now bounds them."""
+    fake.vocab = 300
+    report = await _bench(["--url", fake.url, "--small", "--output-len", "2"])
+    assert report["config"]["vocab"] == 300 and report["config"]["vocab_source"] == "server"
+    assert max(t for b in fake.bodies for t in b["prompt"]) < 300
+    report = await _bench(["--url", fake.url, "--small", "--output-len", "2", "--vocab", "200"])
+    assert (report["config"]["vocab"], report["config"]["vocab_source"]) == (200, "--vocab")
 
 
 def test_small_preset_yields_to_explicit_flags(tmp_path):
