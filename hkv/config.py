@@ -195,6 +195,7 @@ class HkvConfig:
 
 
 DEFAULT_DISK_CACHE_GB = 16.0  # --disk-cache-gb when only --disk-cache-dir is given
+PD_STAGING_GB = 2.0  # --cpu-cache-gb of a prefill or decode instance that gives none: room to stage its transfers
 
 
 def builtin_cache_dir() -> str:
@@ -248,8 +249,9 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
 
 def _tier_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tiers")
-    g.add_argument("--cpu-cache-gb", type=_non_negative_float, default=0.0,
-                   help="CPU tier size in GiB of shared memory; 0 = no CPU or disk tier (default: 0)")
+    g.add_argument("--cpu-cache-gb", type=_non_negative_float, default=None,
+                   help="CPU tier size in GiB of shared memory; 0 = no CPU or disk tier (default: 0; with --mode "
+                        f"prefill or decode, where the tier stages transfers, {PD_STAGING_GB:g})")
     g.add_argument("--disk-cache-dir", default=None,
                    help="folder of the disk tier behind the CPU tier (default: none, no disk tier)")
     g.add_argument("--disk-cache-gb", type=_non_negative_float, default=None,
@@ -345,6 +347,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise ConfigError("--max-total-tokens must hold at least two pages")
     if args.name is not None and not _valid_name(args.name):
         raise ConfigError("--name may hold only letters, digits, '_' and '.', at most 32 characters")
+    if args.cpu_cache_gb is None:  # prefill and decode instances stage their transfers in the CPU tier
+        args.cpu_cache_gb = PD_STAGING_GB if args.mode in ("prefill", "decode") else 0.0
     _check_tiers(args)
     check_pd(args, ConfigError)
     if args.model not in BUILTIN_MODELS and not Path(args.model, "config.json").is_file():

@@ -322,7 +322,8 @@ async def _run(cfg: HkvConfig) -> int:
         url = f"http://{cfg.server.host}:{cfg.server.port}"
         what = (f"the pd master of {len(cfg.server.prefill_urls)} prefill and {len(cfg.server.decode_urls)} decode "
                 "instances" if cfg.server.mode == "pd-master" else cfg.model.model)
-        role = f" ({cfg.server.mode})" if cfg.server.mode in ("prefill", "decode") else ""
+        role = f" ({cfg.server.mode}, staging transfers in a {cfg.cache.cpu_cache_gb:g} GiB CPU tier)" \
+            if cfg.server.mode in ("prefill", "decode") else ""
         print(f"hkv-launch: serving {what}{role} at {url} (ready in {time.monotonic() - started:.1f} s)", flush=True)
         return await _supervise(inst)
     finally:

@@ -212,7 +212,7 @@ def _secret(tmp_path, mode=0o600, size=32):
 
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "decode", "--cpu-cache-gb", "0.01"], "--mode decode needs --secret-file"),
-    (["--mode", "prefill", "SECRET"], "stages transfers in the CPU tier"),
+    (["--mode", "prefill", "--cpu-cache-gb", "0", "SECRET"], "stages transfers in the CPU tier"),
     (["--mode", "decode", "--cpu-cache-gb", "0.01", "--no-prefix-cache", "SECRET"], "--cpu-cache-gb needs the prefix"),
     (["--mode", "pd-master", "--prefill-url", "http://127.0.0.1:1", "SECRET"], "at least one --prefill-url and one"),
     (["--prefill-url", "http://127.0.0.1:1"], "pd-master flags"),
@@ -231,6 +231,16 @@ def test_a_secret_file_open_to_others_or_short_is_refused(tmp_path):
         parse_cli(["--device", "cpu", "--secret-file", _secret(tmp_path, mode=0o644)])
     with pytest.raises(ConfigError, match="at least 32"):
         parse_cli(["--device", "cpu", "--secret-file", _secret(tmp_path, size=8)])
+
+
+def test_prefill_and_decode_stage_in_a_default_cpu_tier(tmp_path):
+    """Issue 38: the pd quick start needs no --cpu-cache-gb; a normal instance keeps its tiers off."""
+    from hkv.config import PD_STAGING_GB
+
+    for mode in ("prefill", "decode"):
+        cfg = parse_cli(["--device", "cpu", "--mode", mode, "--secret-file", _secret(tmp_path)])
+        assert cfg.cache.cpu_cache_gb == PD_STAGING_GB == 2.0
+    assert parse_cli(["--device", "cpu"]).cache.cpu_cache_gb == 0.0
 
 
 def test_pd_modes_parse(tmp_path):
