@@ -181,6 +181,31 @@ class _ToolParser:
         if not self._after_call:
             out.content += held
 
+    def feed(self, text: str) -> ParsedDelta:
+        """Parse the next text: each state's `_in_<state>` takes what it can and hands back the rest."""
+        out = ParsedDelta()
+        buffer, self._held = self._held + text, ""
+        while buffer:
+            buffer = getattr(self, f"_in_{self._state}")(buffer, out)
+        return out
+
+    def _in_tail(self, buffer: str, out: ParsedDelta) -> str:
+        """After a call's last value: everything up to `</tool_call>` is dropped (a closing brace, newlines)."""
+        _, after, self._held = _cut(buffer, CALL_CLOSE)
+        if after is None:
+            return ""
+        self._close_call()
+        return after
+
+    def flush(self) -> ParsedDelta:
+        """The finish: what is held goes out as content, as does an opened block that never named a function."""
+        out, held, self._held = ParsedDelta(), self._held, ""
+        if self._state == "content":
+            self._flush_content(held, out)
+        elif self._state == self.OPENING:
+            out.content = self._space + CALL_OPEN + self._opened() + held
+        return out
+
     def _new_call(self, name: str) -> ToolCallDelta:
         call = ToolCallDelta(self.calls, "", id=f"call_{uuid.uuid4().hex[:24]}", name=name)
         self.calls += 1
@@ -190,18 +215,17 @@ class _ToolParser:
 class HermesToolParser(_ToolParser):
     """`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks; arguments streamed raw."""
 
+    OPENING = "head"  # the state of a block whose function is not named yet
+
     def __init__(self, schemas: dict[str, dict]):
         super().__init__(schemas)
         self._state = "content"  # content | head | args | tail
         self._head = ""
         self._scan = _JsonValueEnd()
 
-    def feed(self, text: str) -> ParsedDelta:
-        out = ParsedDelta()
-        buffer, self._held = self._held + text, ""
-        while buffer:
-            buffer = getattr(self, f"_in_{self._state}")(buffer, out)
-        return out
+
+    def _opened(self) -> str:
+        return self._head
 
     def _open_call(self) -> None:
         self._state, self._head = "head", ""
@@ -252,20 +276,6 @@ class HermesToolParser(_ToolParser):
         self._state = "tail"
         return buffer[taken:]
 
-    def _in_tail(self, buffer: str, out: ParsedDelta) -> str:
-        _, after, self._held = _cut(buffer, CALL_CLOSE)  # the object's closing brace and newlines: dropped
-        if after is None:
-            return ""
-        self._close_call()
-        return after
-
-    def flush(self) -> ParsedDelta:
-        out, held, self._held = ParsedDelta(), self._held, ""
-        if self._state == "content":
-            self._flush_content(held, out)
-        elif self._state == "head":
-            out.content = self._space + CALL_OPEN + self._head + held  # no function named: it was text
-        return out
 
 
 class _JsonValueEnd:
@@ -309,6 +319,8 @@ class _JsonValueEnd:
 class Qwen3CoderToolParser(_ToolParser):
     """`<tool_call><function=f><parameter=p>value</parameter>...</function></tool_call>` blocks."""
 
+    OPENING = "call"
+
     def __init__(self, schemas: dict[str, dict]):
         super().__init__(schemas)
         self._state = "content"  # content | call | function | param | tail
@@ -317,12 +329,9 @@ class Qwen3CoderToolParser(_ToolParser):
         self._param = ""
         self._params_done = 0
 
-    def feed(self, text: str) -> ParsedDelta:
-        out = ParsedDelta()
-        buffer, self._held = self._held + text, ""
-        while buffer:
-            buffer = getattr(self, f"_in_{self._state}")(buffer, out)
-        return out
+
+    def _opened(self) -> str:
+        return self._buffer
 
     def _open_call(self) -> None:
         self._state, self._buffer = "call", ""
@@ -377,20 +386,6 @@ class Qwen3CoderToolParser(_ToolParser):
         self._state, self._buffer = "function", ""
         return rest
 
-    def _in_tail(self, buffer: str, out: ParsedDelta) -> str:
-        _, after, self._held = _cut(buffer, CALL_CLOSE)
-        if after is None:
-            return ""
-        self._close_call()
-        return after
-
-    def flush(self) -> ParsedDelta:
-        out, held, self._held = ParsedDelta(), self._held, ""
-        if self._state == "content":
-            self._flush_content(held, out)
-        elif self._state == "call":
-            out.content = self._space + CALL_OPEN + self._buffer + held
-        return out
 
 
 def _json_text(value: Any, text: str) -> str:
