@@ -29,9 +29,9 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
-from tools import bench_report as report_mod
-from tools.bench_client import RequestResult, completion_body, run_sessions, scrape_metrics, stream_completion
-from tools.bench_workloads import (
+from tools.bench import bench_report as report_mod
+from tools.bench.bench_client import RequestResult, completion_body, run_sessions, scrape_metrics, stream_completion
+from tools.bench.bench_workloads import (
     MIN_TOKEN_ID, Session, cap_requests, ideal_hits, multi_turn, random_prompts, request_count, shared_prefix,
 )
 
@@ -323,7 +323,7 @@ def _finite(value: float) -> float | None:
 
 def add_baseline(args: argparse.Namespace, report: dict, run: Run) -> None:
     """Run HF generate on the timed prompts and put its figures and the ratio into report['baseline']."""
-    from tools.bench_hf import run_hf_baseline
+    from tools.bench.bench_hf import run_hf_baseline
 
     done = run.done[: args.baseline_num_prompts]
     baseline = run_hf_baseline(args.model_path, [r.prompt for r in done], args.concurrency or DEFAULT_CONCURRENCY,

@@ -1,7 +1,7 @@
 """Structured output: a `Constraint` as a grammar, and token masks from it (llguidance).
 
 llguidance (the engine behind vLLM's and SGLang's `guidance` backends) is picked over xgrammar on
-what `python -m tools.bench_grammar` measured (docs/benchmarks.md): every answer it led to was valid
+what `python -m tools.bench.bench_grammar` measured (docs/benchmarks.md): every answer it led to was valid
 JSON that met its schema, where xgrammar let through raw control characters in bounded strings and
 special tokens inside strings, and accepted keywords it does not enforce (llguidance refuses those
 with an error, a 400); it compiles a schema in about a millisecond (xgrammar 5-50 ms the first

@@ -51,7 +51,7 @@ log = logging.getLogger("hkv.rank")
 
 
 def _log_peer_copies(timings: list) -> None:
-    """A plan's peer copies ran (its result is in): how fast (tools/bench_pd.py reads these lines)."""
+    """A plan's peer copies ran (its result is in): how fast (tools/bench/bench_pd.py reads these lines)."""
     for start, pages_done, end, pages, how, nbytes, host_s in timings:
         ms = start.elapsed_time(end)
         log.info("peer copy: %d pages and their state, %.1f MiB in %.3f ms (%.1f GB/s; pages %.3f ms, %s, "

@@ -67,7 +67,7 @@ MULTI_BUCKET_TOKENS = 2048  # b * t of the buckets of several sequences
 MULTI_MAX_SEQS = 32  # sequences of the widest bucket
 MULTI_MAX_CHUNKS = 64  # chunks of one step that replay parts (more: eager)
 # rounds cost more on the device than their capture-time replays (deeper KV than captured, checkpoint copies,
-# staging): on an H200 (tools/bench_prefill.py, 2026-12-04) 1.06x for a 2,176-token prompt with 8 checkpoints,
+# staging): on an H200 (tools/bench/bench_prefill.py, 2026-12-04) 1.06x for a 2,176-token prompt with 8 checkpoints,
 # 1.19x for 31 prompts of 128 after 2,048 cached, 1.23x for one chunk of 8,192
 PART_COST_MARGIN = 1.2
 MULTI_STAGE_TOKENS = 4096  # tokens of one step's repeated buckets that can be staged (the runner's: its step budget)

@@ -3,7 +3,7 @@
 Tensors (prefix `mtp.`): fc [H, 2H], pre_fc_norm_embedding, pre_fc_norm_hidden,
 layers.0.* (a gated full-attention decoder layer with the family's MLP) and
 norm; the embedding and output head are the target's. Convention (vLLM's
-qwen3_next_mtp, what tools/train_tiny.py trains): from the target's final-norm
+qwen3_next_mtp, what tools/train/train_tiny.py trains): from the target's final-norm
 hidden state h_t at position t and the embedding of token t+1,
 
     x = fc(cat([pre_fc_norm_embedding(embed(token_{t+1})), pre_fc_norm_hidden(h_t)]))

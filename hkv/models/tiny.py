@@ -1,7 +1,7 @@
 """Built-in tiny checkpoints: the shipped trained model and deterministic random-weight HF folders.
 
     tiny-hybrid         the default: qwen3_5_text (Gated DeltaNet + gated attention, one MTP layer)
-                        trained on the Python standard library by tools/train_tiny.py; its folder
+                        trained on the Python standard library by tools/train/train_tiny.py; its folder
                         ships inside the package (SHIPPED_DIR, docs/builtin_model.md)
     tiny-hybrid-random  qwen3_5_text (Qwen3_5ForCausalLM), random weights, MTP head: the tests' hybrid
     tiny-dense          qwen3 (Qwen3ForCausalLM), random weights, tied embeddings: the tests' dense model
@@ -33,7 +33,7 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 BUILTIN_VERSION = "v1"
-# where the trained built-in model ships (tools/train_tiny.py writes it)
+# where the trained built-in model ships (tools/train/train_tiny.py writes it)
 SHIPPED_DIR = Path(__file__).with_name("builtin") / "tiny-hybrid"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2

@@ -211,7 +211,7 @@ def launch_paged_decode(
     """Decode launcher (every sequence has one new token): keys split across programs, then reduced.
 
     Tile: 32 keys a block and 2 stages once sequences x KV heads give 32 programs before the split,
-    else 64 and 3. The H200 sweep (tools/bench_kernels.py decode_short: the benchmark model's 6
+    else 64 and 3. The H200 sweep (tools/bench/bench_kernels.py decode_short: the benchmark model's 6
     attention layers, Hq 16 / Hkv 2 / D 256, in a graph) measured 32 / 2 at 1.29x the 64 / 3 tile at
     B32 x 576 keys, 1.16x at B64 x 576 and 1.02x at B64 x 4,096; at B1 it was not among the best.
     block_n / splits / num_warps / num_stages override it (sweeps)."""

@@ -80,9 +80,9 @@ def test_small_run_reports_every_metric(tmp_path):
 
 
 def test_bench_burst_lands_its_burst_in_one_step(tmp_path):
-    """tools/bench_burst against a CPU server: each round's burst waits for one prefill of its prefix."""
+    """tools/bench/bench_burst against a CPU server: each round's burst waits for one prefill of its prefix."""
     _, report = _run_tool(tmp_path, ["--chunked-prefill-size", "4096"], lambda server, out: [
-        sys.executable, "-m", "tools.bench_burst", "--url", server.url, "--rank-pid",
+        sys.executable, "-m", "tools.bench.bench_burst", "--url", server.url, "--rank-pid",
         str(server.actor_pid("hkv.actors.rank")), "--requests", "3", "--shared", "512", "--own", "16", "--output", "4",
         "--rounds", "2", "--gather-s", "0.5", "--json", str(out)])
     rounds = report["rounds"]

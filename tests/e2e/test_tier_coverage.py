@@ -1,4 +1,4 @@
-"""Issue 13's workload at a tiny scale on CPU: tools/bench_tier_coverage.py against two tiny-hybrid-random servers.
+"""Issue 13's workload at a tiny scale on CPU: tools/bench/bench_tier_coverage.py against two tiny-hybrid-random servers.
 
 A 320-token prompt, pushed off a 1,024-token device by 6 and then by 30 other
 prompts, comes back whole from the CPU tier (0.02 GiB), and the output equals
@@ -15,7 +15,7 @@ import pytest
 
 from tests.e2e.harness import assert_clean, launch
 from tests.e2e.test_tiers import _settled_inspect
-from tools import bench_tier_coverage
+from tools.bench import bench_tier_coverage
 
 pytestmark = pytest.mark.e2e
 PROMPT, TAIL = 320, 16

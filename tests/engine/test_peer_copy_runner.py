@@ -3,7 +3,7 @@
 The op runs only on CUDA in service (the peer's pools come through CUDA IPC);
 here its validation, its choice between runs, copy_blocks and a captured graph
 (PeerCopyGraphs, whose copies run eagerly off CUDA), the copied bytes and the
-log line tools/bench_pd.py parses are checked with CPU pools.
+log line tools/bench/bench_pd.py parses are checked with CPU pools.
 """
 
 import logging
@@ -16,7 +16,7 @@ from hkv.cache.types import PeerCopy
 from hkv.engine import model_runner
 from hkv.engine.model_runner import ModelRunner, _log_peer_copies
 from hkv.engine.peer_copy_graphs import PeerCopyGraphs
-from tools.bench_pd import COPY_LINE
+from tools.bench.bench_pd import COPY_LINE
 
 
 

@@ -1,4 +1,4 @@
-"""The shipped built-in model (hkv/models/builtin/tiny-hybrid, tools/train_tiny.py): its files are the
+"""The shipped built-in model (hkv/models/builtin/tiny-hybrid, tools/train/train_tiny.py): its files are the
 recorded bytes, it is an ordinary Qwen3.5 checkpoint to transformers, and hkv serves it like transformers."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_config_and_the_mtp_layout_of_published_checkpoints():
 def test_the_mtp_tensors_load_into_the_module_that_trained_them(reference):
     from safetensors.torch import load_file
 
-    from tools.tiny_mtp import MTPHead
+    from tools.train.tiny_mtp import MTPHead
 
     tensors = load_file(str(SHIPPED_DIR / "model.safetensors"))
     MTPHead(reference[0].config).load_checkpoint_tensors(tensors)  # strict: no name missing or extra

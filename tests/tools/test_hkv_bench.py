@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 
 from tools import hkv_bench
-from tools.bench_client import RequestResult
-from tools.bench_report import latency_stats, server_figures, speculative
+from tools.bench.bench_client import RequestResult
+from tools.bench.bench_report import latency_stats, server_figures, speculative
 
 METRICS = """# TYPE hkv_engine_steps_total counter
 hkv_engine_steps_total {steps}
@@ -171,7 +171,7 @@ def test_small_preset_yields_to_explicit_flags(tmp_path):
 
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")  # the bench extra; CI's test extra does not carry it
-    from tools.bench_report import write_plots
+    from tools.bench.bench_report import write_plots
 
     done = [RequestResult((1,), 0.0, output=[1] * 40, events=[(0.1 + 0.01 * i, 1) for i in range(40)],
                           finished_at=0.6)]

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call for issue 37's acceptance 4 on one GPU: the 1.99 B benchmark model with a 151k-token
+# tokenizer (so structured output's masks cost what they cost on Qwen's vocabulary), served by hkv-launch
+# with 64 running, and tools/bench/bench_structured: 64 streams, then 32 of them with a JSON schema.
+#   run: bash tools/gpu/gpu_structured.sh   (carry .whl: fla-core, llguidance and the serving wheels; .bench: the
+#        tokenizer, written by `python -m tools.bench.bench_grammar --train-vocab 151000` or any tokenizer.json)
+# Results: $OUT/structured.json and $OUT/gpu_structured.log.
+set -uo pipefail
+OUT=${OUT:-.out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+MODEL=${STRUCTURED_MODEL:-/tmp/bench_model_151k}
+TOKENIZER=${TOKENIZER:-.bench/tokenizer-151k.json}
+LOG="$OUT/gpu_structured.log"
+PORT=8100
+SERVER_PID=
+say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+source tools/gpu/gpu_server.sh  # start NAME [flags...], stop
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
+if [[ ! -d $MODEL ]]; then
+  say "writing the 1.99 B benchmark model with $TOKENIZER"
+  timeout 300 python3 -m tools.bench.make_bench_model "$MODEL" --tokenizer "$TOKENIZER" --no-progress 2>&1 | tail -2 \
+    | tee -a "$LOG"
+fi
+say "server: the benchmark model, bf16, 64 running"
+start s_structured --max-running-requests 64 && {
+  timeout 400 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
+    --json "$OUT/structured.json" 2>&1 | tee -a "$LOG"
+  grep -h "structured output\|grammar\|without drafts" /tmp/s_structured.err | head -5 | tee -a "$LOG"
+  stop
+}
+exit 0
