@@ -148,7 +148,7 @@ class LogitsProcessor:
         self._free_rows.extend(range(new - 1, old - 1, -1))
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor([t for t in ids if 0 <= t < self.vocab_size], dtype=torch.long).to(self.device)
+        return self._upload([t for t in ids if 0 <= t < self.vocab_size], torch.long)
 
     # a step
 
@@ -176,12 +176,22 @@ class LogitsProcessor:
         """Process `logits` ([S, V] fp32, row i sampling for slots[i]) in place at `rows`; every grammar
         row's matcher must be current (not `behind`)."""
         states = [self.slots[slots[i]] for i in rows]
-        index = torch.tensor(rows, dtype=torch.long).to(self.device)
+        masks = self._fill_masks(states)  # the host's share first: it overlaps the forward the device still runs
+        index = self._upload(rows, torch.long)
         sub = logits.index_select(0, index)  # [R, V]
         self._bias(sub, states)
         self._penalties(sub, states)
-        self._mask(sub, states)
+        if masks is not None:
+            self._mask(sub, *masks)
         logits.index_copy_(0, index, sub)
+
+    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A small host list on the device without waiting: from pinned memory, queued behind the step's work (a
+        copy from pageable memory first waits for the stream, which still runs this step's forward)."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _bias(self, sub: torch.Tensor, states: list[SlotState]) -> None:
         entries = [(r, t, b) for r, s in enumerate(states) for t, b in s.params.logit_bias.items()
@@ -189,17 +199,17 @@ class LogitsProcessor:
         if not entries:
             return
         r, t, b = zip(*entries)
-        where = (torch.tensor(r).to(self.device), torch.tensor(t).to(self.device))
-        sub.index_put_(where, torch.tensor(b, dtype=sub.dtype).to(self.device), accumulate=True)
+        where = (self._upload(list(r), torch.long), self._upload(list(t), torch.long))
+        sub.index_put_(where, self._upload(list(b), sub.dtype), accumulate=True)
 
     def _penalties(self, sub: torch.Tensor, states: list[SlotState]) -> None:
         picked = [(r, s) for r, s in enumerate(states) if s.row is not None]
         if not picked:
             return
-        at = torch.tensor([r for r, _ in picked], dtype=torch.long).to(self.device)
-        pool = torch.tensor([s.row for _, s in picked], dtype=torch.long).to(self.device)
-        knobs = torch.tensor([[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
-                              for _, s in picked], dtype=sub.dtype).to(self.device)  # [P, 3]
+        at = self._upload([r for r, _ in picked], torch.long)
+        pool = self._upload([s.row for _, s in picked], torch.long)
+        knobs = self._upload([[s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty]
+                              for _, s in picked], sub.dtype)  # [P, 3]
         counts = self.counts.index_select(0, pool).to(sub.dtype)  # [P, V]
         rows = sub.index_select(0, at)
         seen = (counts > 0) | self.prompt.index_select(0, pool)
@@ -210,19 +220,24 @@ class LogitsProcessor:
         # the sampler's division by a temperature (>= 1e-5) stays finite too
         sub.index_copy_(0, at, rows.clamp_(-LOGIT_BOUND, LOGIT_BOUND))
 
-    def _mask(self, sub: torch.Tensor, states: list[SlotState]) -> None:
+    def _fill_masks(self, states: list[SlotState]) -> tuple[list[int], torch.Tensor] | None:
+        """The grammar rows' masks on the host (llguidance's threads): (their rows in `states`, [G, words] int32),
+        or None without grammar rows."""
         picked = [(r, s.matcher) for r, s in enumerate(states) if s.matcher is not None]
         if not picked:
-            return
-        words = mask_words(self.vocab_size)
-        masks = self._mask_buffer(len(picked), words)
+            return None
+        masks = self._mask_buffer(len(picked), mask_words(self.vocab_size))
         matchers = [m for _, m in picked]
         live = any(not m.done for m in matchers)
         fill_masks(matchers, masks, self.grammars.get().executor if live else None)
-        bits = masks.to(self.device, non_blocking=True)  # [G, words]
+        return [r for r, _ in picked], masks
+
+    def _mask(self, sub: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
+        """-inf where the grammar rows' masks leave a bit clear."""
+        bits = masks.to(self.device, non_blocking=True)  # [G, words], from pinned memory
         shifts = torch.arange(32, dtype=torch.int32, device=self.device)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(picked), words * 32)[:, : self.vocab_size]
-        at = torch.tensor([r for r, _ in picked], dtype=torch.long).to(self.device)
+        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, : self.vocab_size]
+        at = self._upload(rows, torch.long)
         sub.index_copy_(0, at, sub.index_select(0, at).masked_fill(allowed == 0, float("-inf")))
 
     def _mask_buffer(self, rows: int, words: int) -> torch.Tensor:
@@ -235,8 +250,8 @@ class LogitsProcessor:
         mark their matchers one token behind until `consume` gives them the token."""
         counted = [(i, self.slots[slots[i]].row) for i in rows if self.slots[slots[i]].row is not None]
         if counted:
-            at = torch.tensor([i for i, _ in counted], dtype=torch.long).to(self.device)
-            pool = torch.tensor([r for _, r in counted], dtype=torch.long).to(self.device)
+            at = self._upload([i for i, _ in counted], torch.long)
+            pool = self._upload([r for _, r in counted], torch.long)
             self.counts.index_put_((pool, ids.index_select(0, at)), torch.ones(len(counted), dtype=torch.int32,
                                                                                device=self.device), accumulate=True)
         for i in rows:
