@@ -152,6 +152,60 @@ class Matcher:
                 row[word] = bits - (1 << 32) if bits >= 1 << 31 else bits  # the int32 of those bits
 
 
+def byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE vocabulary spells a byte with -> it."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, shifted = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], shifted = chr(256 + shifted), shifted + 1
+    return {c: b for b, c in chars.items()}
+
+
+class _ByteLevelVocab:
+    """A byte-level BPE tokenizer.json as llguidance.TokenizerWrapper reads it: each id's bytes, the special
+    ids, and the tokenizer itself for the text a grammar forces. Added tokens count as special only where the
+    file marks them so: Qwen's `<tool_call>`, `</tool_call>`, `<think>` and `</think>` are added tokens that
+    are not, and a model writes its calls and closes its reasoning with them (llguidance's own reader takes
+    every added token for a special one, so a forced call ended at its first tag)."""
+
+    bos_token_id = None
+
+    def __init__(self, spec: dict, text: str, vocab_size: int, eos_id: int):
+        from tokenizers import Tokenizer
+
+        alphabet = byte_alphabet()
+        added = {a["id"]: a for a in spec.get("added_tokens", [])}
+        vocab = spec["model"]["vocab"]
+        # ids past the tokenizer's, up to the model's logit rows, spell nothing: no grammar allows them
+        self.tokens: list[bytes] = [b""] * max([vocab_size, *(i + 1 for i in vocab.values()), *(i + 1 for i in added)])
+        for token, i in vocab.items():
+            self.tokens[i] = bytes(alphabet[c] for c in token)
+        for i, a in added.items():
+            self.tokens[i] = a["content"].encode()
+        self.special_token_ids = sorted(i for i, a in added.items() if a.get("special"))
+        self.eos_token_id = eos_id
+        self._tokenizer = Tokenizer.from_str(text)
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _tokenizer_source(path: str, vocab_size: int, eos_id: int):
+    """What llguidance.LLTokenizer is built from: a byte-level BPE tokenizer.json through _ByteLevelVocab,
+    any other through llguidance's own reader."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    spec = json.loads(text)
+    model = spec.get("model") or {}
+    vocab = model.get("vocab")
+    alphabet = set(byte_alphabet())
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("decoder")) \
+            or not isinstance(vocab, dict) or any(not alphabet.issuperset(t) for t in vocab):
+        return path
+    return _llg().TokenizerWrapper(_ByteLevelVocab(spec, text, vocab_size, eos_id))
+
+
 class Grammars:
     """The rank's grammar engine: the tokenizer as llguidance sees it, and matchers over it.
 
@@ -163,7 +217,8 @@ class Grammars:
         llg = _llg()
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
-        self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=self.eos_ids)
+        self.tokenizer = llg.LLTokenizer(_tokenizer_source(tokenizer_json, vocab_size, self.eos_ids[0]), n_vocab=vocab_size,
+                                         eos_token=self.eos_ids)
         self.executor = llg.LLExecutor()
         self.words = mask_words(vocab_size)
 

@@ -146,3 +146,30 @@ def test_a_panic_inside_llguidance_is_a_grammar_error():
         check_constraint(bad)
     with pytest.raises(GrammarError):
         Grammars(TOKENIZER, VOCAB, [EOS]).matcher(bad)
+
+
+def test_added_tokens_that_are_not_special_are_the_text_they_spell(tmp_path):
+    """Qwen's tokenizers carry <tool_call>, </tool_call>, <think> and </think> as added tokens not marked
+    special: a grammar that forces a tag takes the tag's own token, and free text may close with </think>.
+    Special ones (<|im_end|>) stay out of text."""
+    spec = json.loads(open(TOKENIZER, encoding="utf-8").read())
+    tags = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+    spec["added_tokens"] += [{"id": 4096 + i, "content": t, "special": False, "normalized": False, "lstrip": False,
+                              "rstrip": False, "single_word": False} for i, t in enumerate(tags)]
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    grammars = Grammars(str(path), VOCAB, [EOS])
+    tool_call, close_call, _, close_think = range(4096, 4100)
+    forced = grammars.matcher(Constraint("lark", 'start: "<tool_call>\\n{}\\n</tool_call>"\n'))
+    masks = torch.empty(1, grammars.words, dtype=torch.int32)
+    grammars.fill([forced], masks)
+    assert allowed(masks[0]) == [tool_call]
+    newline_brace = Tokenizer.from_str(json.dumps(spec)).encode("\n{}\n", add_special_tokens=False).ids
+    for token in [tool_call, *newline_brace]:
+        forced.consume(token)
+    grammars.fill([forced], masks)
+    assert allowed(masks[0]) == [close_call] and not forced.failed
+    reasoning = grammars.matcher(Constraint("lark", 'start: r "ok"\nr[lazy]: /(.|\\n)*<\\/think>/\n'))
+    grammars.fill([reasoning], masks)
+    choices = allowed(masks[0])
+    assert close_think in choices and EOS not in choices

@@ -1,10 +1,15 @@
-"""The chat template of the released Qwen3 checkpoints (tokenizer_config.json's `chat_template`), for tests
-that render tools, tool calls, tool results and thinking as a real Qwen model's server would.
+"""Qwen chat templates for tests that render tools, tool calls, tool results and thinking as a real Qwen
+model's server would.
 
-It teaches the hermes tool-call format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`),
-renders tool results as `<tool_response>` blocks in a user turn, keeps the reasoning of the turns after
-the last user query, and with `enable_thinking: false` closes an empty think block in the generation
-prompt.
+QWEN3_CHAT_TEMPLATE is the template of the released Qwen3 checkpoints (tokenizer_config.json's
+`chat_template`). It teaches the hermes tool-call format (`<tool_call>{"name": ..., "arguments": ...}
+</tool_call>`), renders tool results as `<tool_response>` blocks in a user turn, keeps the reasoning of
+the turns after the last user query, and with `enable_thinking: false` closes an empty think block in
+the generation prompt.
+
+QWEN3_5_CHAT_TEMPLATE is written for these tests in the manner of Qwen3.5's and Qwen3-Coder's: it
+teaches the XML format (`<function=NAME>` with a `<parameter=P>` block per argument), and its
+generation prompt opens a think block.
 """
 
 QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
@@ -94,5 +99,94 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>assistant\n' }}
     {%- if enable_thinking is defined and enable_thinking is false %}
         {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# The tools as JSON in a <tools> block and instructions naming the XML call format; assistant calls in
+# that format, a <parameter=...> block per argument in the order of the arguments mapping (strings as
+# they are, other values as JSON); tool results as <tool_response> blocks in a user turn; the reasoning
+# of the turns after the last user message kept; a generation prompt that opens a think block (closed
+# empty with `enable_thinking: false`).
+QWEN3_5_CHAT_TEMPLATE = r"""{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- set ns.last_user = loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nThese functions are available, each described as JSON:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + tool | tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nTo call a function, end your answer with a block in exactly this layout:\n<tool_call>\n<function=NAME>\n<parameter=ARGUMENT>\nVALUE\n</parameter>\n</function>\n</tool_call>\n\nWrite one <parameter=...> block per argument, strings as they are and other values as JSON. Several calls are several <tool_call> blocks, one after another.<|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == 'system' %}
+        {%- if not loop.first %}
+            {{- raise_exception('Only the first message may be a system message.') }}
+        {%- endif %}
+    {%- elif message.role == 'user' %}
+        {{- '<|im_start|>user\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}
+            {%- set content = content.split('</think>')[-1] %}
+        {%- endif %}
+        {%- set content = content.strip('\n') %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if loop.index0 > ns.last_user %}
+            {{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' }}
+        {%- endif %}
+        {{- content }}
+        {%- if message.tool_calls %}
+            {%- for call in message.tool_calls %}
+                {%- if call.function is defined %}
+                    {%- set call = call.function %}
+                {%- endif %}
+                {%- if not loop.first %}
+                    {{- '\n' }}
+                {%- elif content %}
+                    {{- '\n\n' }}
+                {%- endif %}
+                {{- '<tool_call>\n<function=' + call.name + '>\n' }}
+                {%- if call.arguments is mapping %}
+                    {%- for name, value in call.arguments | items %}
+                        {{- '<parameter=' + name + '>\n' }}
+                        {%- if value is string %}
+                            {{- value }}
+                        {%- else %}
+                            {{- value | tojson }}
+                        {%- endif %}
+                        {{- '\n</parameter>\n' }}
+                    {%- endfor %}
+                {%- endif %}
+                {{- '</function>\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('Unknown role: ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n<think>\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}"""

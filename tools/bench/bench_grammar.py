@@ -62,11 +62,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from hkv.engine.grammar import JSON_OPTIONS, byte_alphabet
+
 BUILTIN = Path(__file__).resolve().parents[2] / "hkv/models/builtin/tiny-hybrid/tokenizer.json"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 EOS_NAMES = ("<|im_end|>", "<|endoftext|>")  # Qwen's generation_config ends on either
-# The engine's JSON: compact, ", " and ": " between items (hkv/engine/grammar.py: JSON_OPTIONS).
-LLG_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+LLG_JSON = JSON_OPTIONS  # the engine's JSON: compact, ", " and ": " between items
 XGR_JSON = {"any_whitespace": False, "separators": (", ", ": ")}
 CLOSING = b'"}])'
 PUNCTUATION = string.punctuation.encode()
@@ -146,16 +147,6 @@ GRAMMARS = [
 ]
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: the character a tokenizer.json vocab uses -> its byte."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, shifted = {b: chr(b) for b in kept}, 0
-    for b in range(256):
-        if b not in chars:
-            chars[b], shifted = chr(256 + shifted), shifted + 1
-    return {c: b for b, c in chars.items()}
-
-
 @dataclass(frozen=True)
 class Vocab:
     """A byte-level BPE tokenizer.json as both libraries need it."""
@@ -190,7 +181,7 @@ def load_vocab(path: str | Path) -> Vocab:
     encoded = [""] * (max(ids.values()) + 1)
     for text, i in ids.items():
         encoded[i] = text
-    byte_of = _byte_decoder()
+    byte_of = byte_alphabet()
     tokens = [t.encode() if t in added else bytes(byte_of[c] for c in t) for t in encoded]
     eos = tuple(ids[name] for name in EOS_NAMES if name in added)
     if not eos:
