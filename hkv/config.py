@@ -153,7 +153,8 @@ class ServerConfig:
     drain_timeout_s: float
     request_timeout_s: float = 30.0  # a request's head and body must arrive within this (408 after)
     max_connections: int = 1024  # open HTTP connections; later ones get 503 and are closed
-    stall_timeout_s: float = 10.0  # /ready is 503 when work is pending and no step finished for this long
+    stall_timeout_s: float = 10.0  # /ready is 503 when no step finished for this long with work pending, or the
+    # ranks, probed when idle for half of it, have not answered for this long
     admin_key: KeyHash | None = None  # POST /cache/flush and later admin routes; None: the api key
     metrics_key: KeyHash | None = None  # GET /metrics; None: open
     pd_port: int = 0  # prefill/decode: the transporter's TCP port on `host` (0: a free one)
@@ -303,8 +304,9 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-connections", type=_positive_int, default=1024,
                    help="open HTTP connections at most; one past it gets 503 and is closed (default: 1024)")
     g.add_argument("--stall-timeout", type=_positive_float, default=10.0,
-                   help="seconds without a finished step, while work is pending, after which /ready answers 503 "
-                        "(default: 10)")
+                   help="seconds without a finished step, while work is pending, after which /ready answers 503; "
+                        "idle ranks are probed every half of it and /ready answers 503 once they have not answered "
+                        "for this long (default: 10)")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="log level of every actor; debug also checks the cache books after every step (default: info)")
     g.add_argument("--tool-call-parser", choices=("auto", "hermes", "qwen3_coder", "none"), default="auto",

@@ -283,6 +283,8 @@ async def _answer(ctx: ActorContext, inbox, outbox, runner: ModelRunner, launche
     result = runner.finish(launched)
     if result.error:
         log.error("step %d failed: %s", result.step, result.error)
+    # Rank 0 answers for the group. A tensor-parallel group must answer a plan only once every rank ran it,
+    # an empty one too: the router's probe of idle ranks (hkv/engine/rank_probe.py) vouches for them all.
     if ctx.rank == 0:
         malformed = inbox.malformed
         await outbox.send(msgspec.structs.replace(result, malformed=malformed) if malformed else result)

@@ -14,6 +14,9 @@ and counted, and the router keeps running. An owned heartbeat task sends the
 api an EngineState when it changes and at least every ENGINE_HEARTBEAT_S,
 also while a step is in flight, so the api can tell a stalled engine; after
 DEAD_AFTER_FAILED_STEPS failed steps in a row the engine reports itself dead.
+With nothing out for half the stall timeout, the router probes the ranks with a
+plan that runs nothing, so a rank stopped while idle is noticed too
+(hkv/engine/rank_probe.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import zmq.asyncio
 from hkv.config import HkvConfig
 from hkv.cache.coordinator import CacheCoordinator
 from hkv.cache.types import CacheSpec
+from hkv.engine.rank_probe import RankProbe
 from hkv.engine.scheduler import Scheduler, SchedulerLimits
 from hkv.engine.tier_client import TierClient
 from hkv.engine.timeline import Timeline
@@ -96,7 +100,9 @@ class Router:
         self.scheduler: Scheduler | None = None
         self.check: InboxCheck | None = None  # needs the KV capacity too
         self.kv_pages: int | None = None
-        self.steps_done = 0  # results applied, failed or not: the api's measure of progress
+        self.steps_done = 0  # results applied, failed or not, probes' aside: the api's measure of progress
+        self._stepped_at = time.monotonic()  # when steps_done last moved (reported as an age)
+        self.probe = RankProbe(cfg.server.stall_timeout_s)  # asks idle ranks for a sign of life
         self.failed_in_a_row = 0
         self.alive = True  # False once DEAD_AFTER_FAILED_STEPS steps failed in a row
         self._refused: list[TokenDelta] = []  # answers to GenerateRequests that failed the check
@@ -179,10 +185,12 @@ class Router:
         current one, so neither waits for the other's host work.
 
             1. take in requests and aborts (wait only when nothing runs or can run)
-            2. plan and send the next step, while fewer than MAX_AHEAD plans are out
+            2. plan and send the next step, while fewer than MAX_AHEAD plans are out (nothing to run,
+               nothing out, the ranks silent for half the stall timeout: a probe that runs nothing)
             3. apply the oldest plan's result and stream its tokens
         """
         self.record_pools()
+        self.probe.heard()  # the ranks just reported ready
         self._state_changed.set()  # the heartbeat's first report tells the api we admit
         sent: deque[StepPlan] = deque()  # plans out, oldest first
         stuck = False  # nothing could run: only a new request or an abort can change that
@@ -203,6 +211,8 @@ class Router:
                 plan = self.scheduler.schedule()
                 await self.send_tier()
                 stuck = plan is None
+                if plan is None and not sent and self.probe_in() == 0.0:
+                    plan = self.probe_ranks()
                 if plan is not None:
                     await self.send_plan(plan)
                     sent.append(plan)
@@ -213,7 +223,9 @@ class Router:
                 continue
             # 3. the oldest plan's result (which may free what a plan that could not be made needs)
             plan = sent.popleft()
-            result = self.count_result(await self.wait_result(plan), plan)
+            result = await self.wait_result(plan)
+            probe = self.probe.answered(plan.step)  # any answer is a sign of life; a probe's is no step of work
+            result = self.count_result(result, plan, counted=not probe)
             self.timeline.plan_done(plan, result)
             deltas = self.scheduler.on_result(result, plan)
             stuck = False
@@ -221,20 +233,19 @@ class Router:
             await self.send_tier()
             now = time.perf_counter()
             # counted before it is published: a client that has its answer reads /metrics that include it
-            self.record_step(plan, result, now - last_result)
+            if not probe:
+                self.record_step(plan, result, now - last_result)
             await self.publish(deltas)
             last_result = now
 
     async def drain_inbox(self, block: bool) -> None:
         """Apply every queued request and abort; with no work, wait for the first."""
         if block:
-            wait = self.scheduler.pair_poll_in()  # transfers out: wake to ask the ranks about them
-            if wait is None:
-                self.apply(await self.inbox.get())
-            else:
-                with contextlib.suppress(TimeoutError):  # (a cancelled queue get loses nothing)
-                    async with asyncio.timeout(wait):
-                        self.apply(await self.inbox.get())
+            # wake to probe the ranks, or (transfers out) to ask them about those
+            waits = [w for w in (self.probe_in(), self.scheduler.pair_poll_in()) if w is not None]
+            with contextlib.suppress(TimeoutError):  # (a cancelled queue get loses nothing)
+                async with asyncio.timeout(min(waits, default=None)):
+                    self.apply(await self.inbox.get())
         for msg in self.inbox.drain():
             self.apply(msg)
 
@@ -279,9 +290,12 @@ class Router:
             self._refused.append(TokenDelta(msg.req_id, [], None, None, "error", len(msg.prompt_ids), 0, None,
                                             f"refused by the router: {reason}"))
 
-    def count_result(self, result: StepResult, plan: StepPlan) -> StepResult:
-        """Count the step; a result that does not answer the plan fails the step instead of being used."""
-        self.steps_done += 1
+    def count_result(self, result: StepResult, plan: StepPlan, counted: bool = True) -> StepResult:
+        """Count the step (`counted`: not a probe); a result that does not answer the plan fails the
+        step instead of being used. A failed probe counts towards a dead engine like any step."""
+        if counted:
+            self.steps_done += 1
+            self._stepped_at = time.monotonic()
         self.stats.set("malformed_rank_in", result.malformed)
         reason = self.check.result(result, plan)
         if reason is not None:
@@ -302,12 +316,14 @@ class Router:
         sched = self.scheduler
         return EngineState(ready=self.alive, alive=self.alive, waiting=len(sched.waiting), running=len(sched.running),
                            kv_tokens=self.kv_pages * self.cfg.cache.page_size, steps=self.steps_done,
-                           failed_steps=self.failed_in_a_row)
+                           failed_steps=self.failed_in_a_row, since_step_s=time.monotonic() - self._stepped_at,
+                           ranks_silent_s=self.probe.silent_s())
 
     def note_state(self) -> None:
-        """Wake the heartbeat when a figure the api shows has changed (not on every step)."""
+        """Wake the heartbeat when a figure the api shows has changed (not on every step): a probe
+        going out or answered too, so /ready turns 200 as soon as a stopped rank answers."""
         sched = self.scheduler
-        if (self.alive, len(sched.waiting), len(sched.running)) != self._published:
+        if (self.alive, len(sched.waiting), len(sched.running), self.probe.step is not None) != self._published:
             self._state_changed.set()
 
     async def heartbeat(self) -> None:
@@ -319,7 +335,7 @@ class Router:
                     await self._state_changed.wait()
             self._state_changed.clear()
             state = self.engine_state()
-            self._published = (state.alive, state.waiting, state.running)
+            self._published = (state.alive, state.waiting, state.running, state.ranks_silent_s is not None)
             self.stats.set_many({"malformed_router_in": self.inbox.malformed + self.check.dropped_router_in
                                  + (self.tiers.malformed if self.tiers is not None else 0)
                                  + self.scheduler.pd_malformed,
@@ -357,18 +373,35 @@ class Router:
         if device is not None:
             self._flush_answers.append(CacheFlushed(msg.flush_id, device.pages, device.checkpoints, msg.pages, msg.files))
 
+    def probe_in(self) -> float | None:
+        """Seconds until a router with nothing out probes the ranks (0: now); None while a probe is out
+        and once the engine is dead (it is sent nothing more)."""
+        return self.probe.due_in() if self.alive else None
+
+    def probe_ranks(self) -> StepPlan:
+        """The ranks have been idle for half the stall timeout: a plan with nothing to run asks them
+        for a sign of life (never a second while one is out: it is sent only with nothing out)."""
+        plan = self.scheduler.probe_plan()
+        self.probe.sent(plan.step)
+        self.note_state()  # the api learns at once that the ranks owe an answer
+        return plan
+
     async def send_plan(self, plan: StepPlan) -> None:
         self.timeline.plan_sent(plan)
         for sender in self.to_ranks:
             await sender.send(plan)
 
     async def wait_result(self, plan: StepPlan) -> StepResult:
-        # Poll near the expected end of the step instead of paying a wake-up after it.
+        # Poll near the expected end of the step instead of paying a wake-up after it (a probe
+        # runs nothing: its answer neither waits for nor moves the step time).
         sent = time.perf_counter()
+        probe = plan.step == self.probe.step
         while True:
-            msg = await self.results.get(due_in_s=self._step_ema - (time.perf_counter() - sent))
+            due = None if probe else self._step_ema - (time.perf_counter() - sent)
+            msg = await self.results.get(due_in_s=due)
             if isinstance(msg, StepResult) and msg.step == plan.step:
-                self._step_ema += STEP_EMA_WEIGHT * (time.perf_counter() - sent - self._step_ema)
+                if not probe:
+                    self._step_ema += STEP_EMA_WEIGHT * (time.perf_counter() - sent - self._step_ema)
                 return msg
             self.check.dropped_results += 1
             log.warning("ignoring an unexpected rank message: %r", msg)

@@ -222,6 +222,17 @@ class Scheduler(Publishing, PrefixWaiting, Speculating, PdFetching, PdPairing):
             if not self._ops and not self._pair_poll_due():  # (a copies-only plan asks about transfers)
                 return None
         # a plan with ops and no chunks only copies (tier stores waiting on an idle engine)
+        return self._plan(new, chunks)
+
+    def probe_plan(self) -> StepPlan:
+        """A plan with nothing to run, to ask idle ranks for a sign of life (hkv/engine/rank_probe.py);
+        only when `schedule` just returned None, so no cache op waits for a plan. Numbered and booked
+        like any plan: it carries the slots freed since the last one, and its result goes to
+        `on_result` (aborts and ended transfers come back with it)."""
+        return self._plan([], [])
+
+    def _plan(self, new: list[NewSequence], chunks: list[Chunk]) -> StepPlan:
+        """Number the plan, hand it the queued cache ops and freed slots, and book what it uses."""
         ops, self._ops = self._ops, []
         step = next(self._step)
         plan = StepPlan(step=step, new=new, chunks=chunks, freed=self.slots.take_freed(), ops=ops)

@@ -154,6 +154,12 @@ class EngineState(msgspec.Struct, frozen=True, tag="state"):
     kv_tokens: int | None = None  # the device KV capacity in tokens (the ranks size it on CUDA)
     steps: int = 0  # steps finished since start: the api sees progress as this moving
     failed_steps: int = 0  # steps that failed in a row (alive turns False past a bound)
+    # seconds since `steps` last moved, as of this report: the api dates the move by it, not by the report,
+    # which comes up to ENGINE_HEARTBEAT_S later (steps alone are no change worth a report)
+    since_step_s: float = 0.0
+    # while the router probes idle ranks (hkv/engine/rank_probe.py): seconds since they last answered, as of
+    # this report; the api adds the time since it came. None while no probe is out (steps judge a busy engine)
+    ranks_silent_s: float | None = None
 
 
 class CacheFlushed(msgspec.Struct, frozen=True, tag="flushed"):

@@ -88,9 +88,12 @@ class EngineProgress:
     """Whether the engine moves, judged on the api's own clock from the router's reports.
 
     Stalled: the router has not reported for stall_s + ENGINE_HEARTBEAT_S (it
-    reports at least every ENGINE_HEARTBEAT_S, even mid-step), or work is
-    pending and its finished-step count has not moved for stall_s (counted
-    from when the work arrived, if the engine was idle before). New tokens
+    reports at least every ENGINE_HEARTBEAT_S, even mid-step), or the ranks
+    have not answered for stall_s while the router probes them (an idle
+    engine: the last report's ranks_silent_s plus the time since it came), or
+    work is pending and its finished-step count has not moved for stall_s
+    (since the last step finished, which the report dates; or since the work
+    arrived, if the engine was idle before). New tokens
     show that a step finished (on_tokens; not a state report): the router publishes
     its state on a change of its queues or once a second, so a stream could
     otherwise end, after the engine resumed, before /ready knew it had.
@@ -103,13 +106,17 @@ class EngineProgress:
         self._moved_at = 0.0  # when the step count last moved, or work arrived at an idle engine
         self._steps = 0
         self._pending = False
+        self._ranks_silent_s: float | None = None  # the last report's: a probe is out, the ranks silent this long
 
     def on_state(self, state: EngineState) -> None:
         now = self._clock()
         pending = state.waiting + state.running > 0
-        if state.steps != self._steps or (pending and not self._pending):
-            self._moved_at = now
+        if pending and not self._pending:
+            self._moved_at = now  # work arrived at an idle engine: its clock starts now
+        elif state.steps != self._steps:  # dated when the step finished, not when the report came
+            self._moved_at = max(self._moved_at, now - state.since_step_s)
         self._steps, self._pending, self._heard_at = state.steps, pending, now
+        self._ranks_silent_s = state.ranks_silent_s
 
     def on_tokens(self) -> None:
         """The router sent sequences new tokens: a step finished (its reports are still owed: a router
@@ -125,6 +132,9 @@ class EngineProgress:
         silent = now - self._heard_at
         if silent > self.stall_s + ENGINE_HEARTBEAT_S:
             return f"the router has not reported for {silent:.1f} s"
+        ranks_silent = None if self._ranks_silent_s is None else self._ranks_silent_s + silent
+        if ranks_silent is not None and ranks_silent > self.stall_s:
+            return f"the ranks have not answered for {ranks_silent:.1f} s (idle, probed by the router)"
         idle = now - self._moved_at
         if self._pending and idle > self.stall_s:
             return f"no step finished for {idle:.1f} s with work pending"

@@ -43,7 +43,8 @@ TOKEN = 5
 class FakeRank:
     """Answers each plan: `mode` "ok" samples TOKEN, "fail" fails the step, "bad" samples a token past the
     vocabulary, "hold" answers only once `release` is set, "graphs" samples TOKEN and reports the step as
-    replayed from graph kind step % 6 (5: no kind there is)."""
+    replayed from graph kind step % 6 (5: no kind there is). A rank past 0 only records its plans: rank 0
+    answers for the group."""
 
     inbox: DgramReceiver
     outbox: DgramSender
@@ -51,15 +52,17 @@ class FakeRank:
     release: asyncio.Event = field(default_factory=asyncio.Event)
     plans: list[StepPlan] = field(default_factory=list)
     state_slots: int = 0  # what RankReady reports
+    rank: int = 0
 
     async def run(self) -> None:
         self.inbox.start()
-        await self.outbox.send(RankReady(0, 256, self.state_slots))
+        await self.outbox.send(RankReady(self.rank, 256, self.state_slots))
         while not isinstance(msg := await self.inbox.get(), Shutdown):
             self.plans.append(msg)
             if self.mode == "hold":
                 await self.release.wait()
-            await self.outbox.send(self.answer(msg))
+            if self.rank == 0:
+                await self.outbox.send(self.answer(msg))
 
     def answer(self, plan: StepPlan) -> StepResult:
         if self.mode == "fail":
@@ -75,8 +78,9 @@ class Env:
     to_router: Sender[Inbound]
     raw: zmq.asyncio.Socket  # writes bytes that are no message at all
     from_router: Receiver[Outbound]
-    rank: FakeRank
+    rank: FakeRank  # rank 0
     stats: stats.RouterStats
+    ranks: list[FakeRank] = field(default_factory=list)  # all of them, rank 0 first
     deltas: dict[int, list[TokenDelta]] = field(default_factory=dict)
     states: list[EngineState] = field(default_factory=list)
 
@@ -102,38 +106,46 @@ class Env:
 
 
 @contextlib.asynccontextmanager
-async def router(mode: str = "ok", cache: dict | None = None, ready_slots: int = 0) -> AsyncIterator[Env]:
-    cfg = make_cfg(create_run_dir("rt"), name=f"rt{os.getpid()}")
+async def router(mode: str = "ok", cache: dict | None = None, ready_slots: int = 0,
+                 stall_timeout_s: float = 600.0, tp: int = 1) -> AsyncIterator[Env]:
+    """A router over `tp` FakeRanks; the long stall timeout keeps idle probes (issue 38) out of the tests
+    that are not about them."""
+    cfg = make_cfg(create_run_dir("rt"), name=f"rt{os.getpid()}", stall_timeout_s=stall_timeout_s)
     if cache:
         cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, **cache))
+    if tp != 1:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tp=tp))
     inst = Instance(cfg)
     inst.create_regions()
     zctx = zmq.asyncio.Context()
     status_r, status_w = os.pipe()
     from_router: Receiver[Outbound] = Receiver(zctx, cfg.ipc_address("api_in"), Outbound, "api_in")
     from_router.start()
-    rank = FakeRank(DgramReceiver(cfg.ipc_address("rank0_in"), RankInbound, "rank_in"),
-                    DgramSender(cfg.ipc_address("router_results"), "router_results"), mode,
-                    state_slots=ready_slots)
+    ranks = [FakeRank(DgramReceiver(cfg.ipc_address(f"rank{r}_in"), RankInbound, "rank_in"),
+                      DgramSender(cfg.ipc_address("router_results"), "router_results"), mode,
+                      state_slots=ready_slots, rank=r) for r in range(tp)]
+    rank = ranks[0]
     raw = zctx.socket(zmq.PUSH)
     raw.connect(cfg.ipc_address("router_in"))
     region = ShmRegion.attach(cfg.server.name, stats.REGION, readonly=True)
     ctx = ActorContext(name="router", rank=0, status_fd=status_w)
-    tasks = [asyncio.create_task(serve(cfg, ctx)), asyncio.create_task(rank.run())]
+    tasks = [asyncio.create_task(serve(cfg, ctx)), *(asyncio.create_task(r.run()) for r in ranks)]
     try:
         env = Env(Sender(zctx, cfg.ipc_address("router_in"), "router_in"), raw, from_router, rank,
-                  stats.RouterStats(region.payload))
+                  stats.RouterStats(region.payload), ranks)
         await env.until(lambda: any(s.ready for s in env.states))
         yield env
     finally:
-        rank.release.set()
+        for r in ranks:
+            r.release.set()
         ctx.request_stop("test over")
         await asyncio.wait_for(tasks[0], 10)
-        tasks[1].cancel()
-        await asyncio.gather(tasks[1], return_exceptions=True)
+        for task in tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*tasks[1:], return_exceptions=True)
         env.stats.release_views()
         region.close()
-        for channel in (from_router, rank.inbox, rank.outbox, env.to_router):
+        for channel in (from_router, *(c for r in ranks for c in (r.inbox, r.outbox)), env.to_router):
             await channel.aclose()
         raw.close(linger=0)
         zctx.destroy(linger=0)
@@ -235,3 +247,40 @@ async def test_steps_are_counted_by_the_graph_kind_their_rank_reports():
         assert [values[f"graph_steps_{k}"] for k in stats.GRAPH_KINDS] == [kinds.count(g) for g in (1, 2, 3, 4)]
         assert sum(kinds.count(g) for g in (1, 2, 3, 4)) > 0  # some steps of each run replayed
         assert values["steps"] == len(env.rank.plans)  # a value past the kinds (5) counted as a step only
+
+
+async def test_idle_ranks_are_probed_and_a_silent_one_is_reported_until_it_answers():
+    """Issue 38: with nothing out for half the stall timeout the router sends the ranks a plan that runs
+    nothing; it is no step (not counted), never sent twice while out, and while it goes unanswered every
+    report says how long the ranks have been silent; its answer clears that at once, and a request that
+    came meanwhile runs behind it, numbered on."""
+    async with router(stall_timeout_s=0.6) as env:
+        await env.until(lambda: len(env.rank.plans) >= 2)  # ~0.3 s apart
+        assert [(p.new, p.chunks, p.ops, p.freed) for p in env.rank.plans[:2]] == [([], [], [], [])] * 2
+        env.rank.mode = "hold"
+        held = len(env.rank.plans) + 1
+        await env.until(lambda: (env.states[-1].ranks_silent_s or 0) > 1.0)  # > 3 intervals
+        assert len(env.rank.plans) == held and not env.rank.plans[-1].chunks  # one probe out, no second
+        assert all(s.alive and s.steps == 0 for s in env.states)
+        await env.generate(1, [TOKEN, 6], max_tokens=2)  # read once the probe is answered
+        silent = len(env.states)
+        env.rank.release.set()
+        done = await env.finished(1)
+        assert done[1].finish_reason == "length"
+        probe, first = env.rank.plans[held - 1], env.rank.plans[held]
+        assert first.step == probe.step + 1 and first.new[0].req_id == 1
+        answered = next(s for s in env.states[silent:] if s.ranks_silent_s is None)
+        assert answered.steps == 0  # reported before the request's first step finished: at the answer
+        await env.until(lambda: env.states[-1].steps == 2)  # the request's two steps; probes are none
+        assert env.stats.read()["steps"] == 2
+
+
+async def test_every_rank_of_a_group_is_probed_and_rank_0_answers_for_it():
+    """Tensor parallel (issue 38): the probe goes to every rank like any plan, and rank 0's answer, given
+    once the group ran it (rank.py's contract), clears it; the other ranks' silence is rank 0's."""
+    async with router(stall_timeout_s=0.6, tp=2) as env:
+        await env.until(lambda: len(env.ranks[1].plans) >= 2 and env.states[-1].ranks_silent_s is None)
+        assert [p.step for p in env.ranks[1].plans] == [p.step for p in env.ranks[0].plans][:len(env.ranks[1].plans)]
+        await env.generate(1, [TOKEN, 6], max_tokens=2)
+        assert (await env.finished(1))[1].finish_reason == "length"
+        assert env.states[-1].alive

@@ -12,6 +12,9 @@ tests/actors/test_api_limits.py and tests/actors/test_router.py):
 6. run directories leaked, keys on disk -> tests/e2e/test_restart_cycles.py
 7. the router trusted its inbox         -> test_garbage_on_router_in_is_dropped_and_counted
 
+Issue 38, item 2: a rank stopped while idle left /ready at 200
+                                        -> test_a_rank_stopped_while_idle_makes_ready_503
+
 Numbers the issue asks for are printed (run with -s to see them).
 """
 
@@ -203,11 +206,60 @@ def test_a_stopped_rank_makes_ready_503(server):
         assert _status(f"{server.url}/health")[0] == 200  # stalled, not dead
     finally:
         os.kill(rank, signal.SIGCONT)
-    print(f"\nstopped rank: /ready 503 after {to_503:.1f} s (--stall-timeout 2)")
-    assert 1.5 < to_503 < 4.0
+    print(f"\nstopped rank: /ready 503 after {to_503:.2f} s (--stall-timeout 2)")
+    assert 1.5 < to_503 < 3.0  # issue 38: within the stall timeout + 1 s, busy as idle
     reader.join(90)
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert _status(f"{server.url}/ready")[0] == 200
+
+
+def _ready(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_rank_stopped_while_idle_makes_ready_503(server):
+    """The router probes an idle rank every --stall-timeout / 2 (2 s here) with a plan that runs nothing:
+    /ready stays 200 over probes, turns 503 within the stall timeout of a stop (+ 1 s), /health stays 200,
+    and /ready is 200 again as soon as the rank answers."""
+    assert _post(f"{server.url}/v1/completions", {"prompt": "warm", "max_tokens": 2})[0] == 200
+    idle_at = time.monotonic()
+    steps = None
+    while time.monotonic() < idle_at + 3.7:  # probes at about 1 s intervals
+        status, body = _ready(server.url)
+        assert status == 200, body
+        if steps is None and time.monotonic() > idle_at + 1.2:  # the reports caught up with the last step
+            assert body["engine"]["running"] == 0, body
+            steps = body["engine"]["steps"]
+        time.sleep(0.05)
+    assert body["engine"]["steps"] == steps  # the probes of the last 2.5 s are no steps
+    rank = server.actor_pid("hkv.actors.rank")
+    os.kill(rank, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        while (answer := _ready(server.url))[0] == 200:
+            assert time.monotonic() - stopped < 3.0, "/ready stayed 200 past the stall timeout + 1 s"
+            time.sleep(0.05)
+        to_503 = time.monotonic() - stopped
+        status, body = answer
+        assert status == 503 and "the ranks have not answered" in body["engine"]["stalled"], body
+        assert _status(f"{server.url}/health")[0] == 200  # stalled, not dead
+    finally:
+        os.kill(rank, signal.SIGCONT)
+    resumed = time.monotonic()
+    while _ready(server.url)[0] != 200:
+        assert time.monotonic() - resumed < 1.0, "/ready stayed 503 after the rank resumed"
+        time.sleep(0.02)
+    to_200 = time.monotonic() - resumed
+    print(f"\nrank stopped while idle: /ready 503 after {to_503:.2f} s, 200 again {to_200 * 1000:.0f} ms after "
+          f"SIGCONT (--stall-timeout 2)")
+    assert to_503 > 0.9  # its last answer came at most a probe interval (1 s) before the stop, the 503 2 s after it
+    status, body = _post(f"{server.url}/v1/completions", {"prompt": "after the stop", "max_tokens": 4,
+                                                          "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
 
 
 def test_a_killed_router_ends_streams_with_an_error(tmp_path):

@@ -638,3 +638,27 @@ def test_a_resumed_sequence_with_processed_logits_brings_its_history():
     assert first == (2, [1, 2, 3], []) and again
     assert all(prompt == [1, 2, 3] and output and set(output) <= {50, 51} for _, prompt, output in again)
     assert all(prompt == output == [] for r, prompt, output in announced if r == 1)  # plain: nothing extra
+
+
+def test_a_probe_plan_runs_nothing_and_keeps_numbers_and_slots_in_order():
+    """Issue 38: the router asks idle ranks for a sign of life with a plan like any other: next in number,
+    carrying the slots freed since the last plan; its result closes those books and brings back what
+    happened meanwhile (an abort), and the plans after it number on."""
+    sched = make(max_running=2)
+    sched.add(req(1, 3, max_tokens=1))
+    plan, deltas = step(sched)
+    assert [d.finish_reason for d in deltas] == ["length"] and not sched.has_work()
+    assert sched.schedule() is None
+    probe = sched.probe_plan()
+    assert (probe.step, probe.new, probe.chunks, probe.ops) == (plan.step + 1, [], [], [])
+    assert probe.freed == [plan.chunks[0].slot] and sched.in_flight == 1
+    sched.add(req(2, 3))  # arrives and leaves while the probe is out
+    sched.abort(2)
+    deltas = sched.on_result(StepResult(probe.step, [], 0.0), probe)
+    assert [(d.req_id, d.finish_reason) for d in deltas] == [(2, "abort")] and sched.in_flight == 0
+    sched.add(req(3, 3, max_tokens=1))
+    after, deltas = step(sched)
+    assert after.step == probe.step + 1 and after.freed == [] and after.chunks[0].slot == plan.chunks[0].slot
+    assert [d.finish_reason for d in deltas] == ["length"]
+    assert free_pages(sched) == sched.coord.spec.num_pages
+    sched.coord.check_integrity()

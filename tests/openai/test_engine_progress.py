@@ -77,3 +77,37 @@ def test_new_tokens_are_a_step_that_moved():
     clock.now += 0.6  # tokens go on, state reports do not: silent once the last report is over stall + 1 s old
     p.on_tokens()
     assert p.stalled().startswith("the router has not reported for 3.1")
+
+
+def test_ranks_silent_under_a_probe_stall_an_idle_engine():
+    """Issue 38: the router probes idle ranks and reports how long they have been silent; the api adds the
+    time since that report, so /ready turns 503 once the ranks are silent for the stall timeout."""
+    clock = Clock()
+    p = EngineProgress(2.0, clock)
+    p.on_state(_state(10))
+    p.on_state(EngineState(ready=True, alive=True, waiting=0, running=0, steps=10, ranks_silent_s=1.0))
+    clock.now += 0.99
+    assert p.stalled() is None
+    clock.now += 0.02
+    assert p.stalled() == "the ranks have not answered for 2.0 s (idle, probed by the router)"
+    clock.now += 0.5  # the heartbeat's next report: still silent
+    p.on_state(EngineState(ready=True, alive=True, waiting=0, running=0, steps=10, ranks_silent_s=2.5))
+    assert p.stalled() is not None
+    p.on_state(_state(10))  # the probe was answered: steps did not move, and need not
+    assert p.stalled() is None
+
+
+def test_a_step_is_dated_when_it_finished_not_when_it_was_reported():
+    """Steps alone wake no report, so the one that says they moved may come up to a heartbeat later: a rank
+    stopped mid-stream still makes /ready 503 the stall timeout after its last step, not a second later."""
+    clock = Clock()
+    p = EngineProgress(2.0, clock)
+    p.on_state(_state(10, running=1))
+    clock.now += 1.0
+    p.on_state(EngineState(ready=True, alive=True, waiting=0, running=1, steps=40, since_step_s=0.8))
+    clock.now += 1.1
+    assert p.stalled() is None
+    clock.now += 0.2  # 2.1 s after the last step, 1.3 s after the report
+    assert p.stalled() == "no step finished for 2.1 s with work pending"
+    p.on_state(EngineState(ready=True, alive=True, waiting=0, running=1, steps=40, since_step_s=2.1))
+    assert p.stalled() is not None  # the same count: nothing moved
