@@ -10,15 +10,8 @@
 #        default launch,i11,i12,i13]
 # Results: $OUT/<part>.json (hkv-bench JSON per run, merged), logs in $OUT/gpu_bench.log.
 set -uo pipefail
-OUT=${OUT:-.out}
-mkdir -p "$OUT"
+source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 parts=${1:-launch,i11,i12,i13}
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 MODEL=${BENCH_MODEL:-/tmp/bench_model}  # made here unless it exists
 DEVICE=${DEVICE:-cuda}
 # SMOKE=1: the same script at toy sizes on a CPU server (checks the script itself, not hkv)
@@ -32,8 +25,6 @@ SERVER_PID=
 wants() { [[ ,$parts, == *,$1,* ]]; }
 wants spec && parts="$parts,spec-test,spec-bench,spec-tiny"  # spec: all three speculative parts
 say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
-
-source tools/gpu/gpu_server.sh  # start NAME [flags...], stop
 
 bench() {  # bench TAG [hkv-bench flags...]
   local tag=$1; shift

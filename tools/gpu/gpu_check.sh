@@ -6,17 +6,10 @@
 # TESTS_TIMEOUT_S (240) and LAUNCH_TIMEOUT_S (300) bound the two pytest runs, TEST_TIMEOUT_S (200 / 280)
 # one test; PYTEST_WORKERS (4) the xdist workers of the kernel tests.
 set -uo pipefail
-OUT=${OUT:-.out}
-mkdir -p "$OUT"
+source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 what=${1:-all}
 sections=${2:-}
 select=${3:-}
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'

@@ -7,15 +7,8 @@
 # Results: $OUT/*.json and logs in $OUT/gpu_moe.log; carry .whl (fla-core and the serving wheels). GPU_FRACTION
 # (default 0.8) is the server's --gpu-memory-fraction: HF's baseline shares the GPU (0.6 on an 80 GB card).
 set -uo pipefail
-OUT=${OUT:-.out}
-mkdir -p "$OUT"
+source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 parts=${1:-tests,launch,bench,sweep,decode,served}
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 MODEL=${MOE_MODEL:-/tmp/moe_model}
 LOG="$OUT/gpu_moe.log"
 PORT=8100
@@ -61,8 +54,6 @@ for row in json.load(open(sys.argv[1]))["rows"]:
             print(f"   {ms:8.3f} ms  {name}")
 EOF
 fi
-
-source tools/gpu/gpu_server.sh  # start NAME [flags...]
 
 if wants served; then
   if [[ ! -d $MODEL ]]; then

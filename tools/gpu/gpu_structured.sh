@@ -6,21 +6,13 @@
 #        tokenizer, written by `python -m tools.bench.bench_grammar --train-vocab 151000` or any tokenizer.json)
 # Results: $OUT/structured.json and $OUT/gpu_structured.log.
 set -uo pipefail
-OUT=${OUT:-.out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 MODEL=${STRUCTURED_MODEL:-/tmp/bench_model_151k}
 TOKENIZER=${TOKENIZER:-.bench/tokenizer-151k.json}
 LOG="$OUT/gpu_structured.log"
 PORT=8100
 SERVER_PID=
 say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
-source tools/gpu/gpu_server.sh  # start NAME [flags...], stop
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
 if [[ ! -d $MODEL ]]; then

@@ -3,14 +3,7 @@
 # benchmark on the device's disk, and the CUDA tier test; logs land in $OUT (or ./.out).
 #   run: bash tools/gpu/gpu_tiers.sh [bench|test|disk|all]   (carry .whl: fla-core and the serving wheels)
 set -uo pipefail
-OUT=${OUT:-.out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 what=${1:-all}
 rc=0
 keep() { [[ $rc == 0 ]] && rc=$1; }

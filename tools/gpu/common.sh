@@ -1,5 +1,15 @@
-# Sourced by the tools/gpu/gpu_*.sh device scripts: start and stop one hkv-launch server.
-# Needs MODEL, PORT, LOG and say(); DEVICE defaults to cuda, START_WAIT (half-seconds) to 600.
+# Sourced by the tools/gpu/*.sh device scripts, from the repository root: the environment of a device call
+# (OUT, the carried wheels, this tree first on PYTHONPATH), and start/stop of one hkv-launch server
+# (which needs MODEL, PORT, LOG and say(); DEVICE defaults to cuda, START_WAIT (half-seconds) to 600).
+
+OUT=${OUT:-.out}  # the device tool's folder of files that come back (./.out by hand)
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (.whl/): fla-core, llguidance, the serving packages
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 start() {  # start NAME [flags...]: a server on $PORT, waits for /ready; ROOT=dir serves that tree's hkv
   local name=$1; shift
