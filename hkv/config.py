@@ -88,10 +88,20 @@ class ModelConfig:
     cpu_threads: int  # torch intra-op threads of a CPU rank (leaves cores to the api and router)
     spec: ModelSpec  # the model's description
     cuda_graph_max_bs: int = 0  # CUDA: decode batches up to this replay captured graphs; 0 = eager
+    # --compile-cache-dir, resolved and created (mode 0700): compiled kernels and autotuning results; "" = none
+    compile_cache_dir: str = ""
 
     @property
     def max_context(self) -> int:
         return self.spec.max_context
+
+    def compile_env(self) -> dict[str, str]:
+        """The environment a rank compiles kernels under (hkv/actors/rank.py sets it before the first compile):
+        Triton's cache in the compile cache directory, with autotuning results kept there too
+        (TRITON_CACHE_AUTOTUNING: every autotuner, not only those that ask, as fla-core's do); {} without one."""
+        if not self.compile_cache_dir:
+            return {}
+        return {"TRITON_CACHE_DIR": str(Path(self.compile_cache_dir) / "triton"), "TRITON_CACHE_AUTOTUNING": "1"}
 
 
 @dataclass(frozen=True)
@@ -161,6 +171,7 @@ class ServerConfig:
     pd_timeout_s: float = 30.0  # prefill/decode: a transfer not done by then rolls back at both ends
     pd_transfer: str = "auto"  # prefill/decode: auto | pair | tier (hkv/pd_flags.py)
     pd_stall_pull_s: float = 0.0  # tests: $HKV_PD_STALL_PULL_S, the transporter stalls a pull (or pair send)
+    startup_stall_s: float = 0.0  # tests: $HKV_STARTUP_STALL_S, a rank holds its start-up this long after the weights
     log_request_times: bool = False  # the router logs where each finished request's time went (hkv/engine/timeline.py)
     tool_call_parser: str | None = None  # hermes | qwen3_coder (hkv/openai/chat_output.py); None: tools refused
     reasoning_parser: str | None = None  # qwen3: <think> blocks become reasoning_content; None: all is content
@@ -199,12 +210,17 @@ DEFAULT_DISK_CACHE_GB = 16.0  # --disk-cache-gb when only --disk-cache-dir is gi
 PD_STAGING_GB = 2.0  # --cpu-cache-gb of a prefill or decode instance that gives none: room to stage its transfers
 
 
+def user_cache_dir() -> Path:
+    """The user's cache folder: $XDG_CACHE_HOME, else ~/.cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
 def builtin_cache_dir() -> str:
     """Folder for built-in model checkpoints: $HKV_CACHE_DIR or ~/.cache/hkv."""
     env = os.environ.get("HKV_CACHE_DIR")
     if env:
         return env
-    return str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hkv")
+    return str(user_cache_dir() / "hkv")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -229,6 +245,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help=f"tensor-parallel ranks (default: 1). Values above 1: {PENDING.lower()}")
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the ranks' torch generators; sampling seeds are per request (default: 0)")
+    g.add_argument("--compile-cache-dir", default=None,
+                   help="folder of compiled GPU kernels and their autotuning results (Triton's cache), kept "
+                        "for later starts and other instances; created with mode 0700, and refused when another "
+                        "user owns it or others may write it (default: $XDG_CACHE_HOME/hkv/compile, else "
+                        "~/.cache/hkv/compile)")
 
 
 def _cache_flags(p: argparse.ArgumentParser) -> None:
@@ -468,6 +489,30 @@ def _tier_checkpoint_interval(args: argparse.Namespace, spec: ModelSpec, interva
     return max(1, -(-span // interval)) * interval
 
 
+def _compile_cache_dir(flag: str | None) -> str:
+    """--compile-cache-dir resolved and created (mode 0700); a ConfigError (exit 2) when it cannot serve.
+
+    The default ignores $HKV_CACHE_DIR, which tests point at a fresh folder for the built-in models: a
+    GPU test session would compile every kernel again. The ranks load the compiled code it holds, so it
+    must be this user's and writable by no one else.
+    """
+    path = (Path(flag).expanduser() if flag else user_cache_dir() / "hkv" / "compile").resolve()
+    name = f"--compile-cache-dir {path}"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{name}: exists and is not a directory")
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"{name}: {exc.strerror or exc}") from None
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ConfigError(f"{name}: must be owned by this user and writable by no one else (it holds compiled code "
+                          f"the ranks load); it is mode {st.st_mode & 0o777:o}, owner uid {st.st_uid}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{name}: not writable")
+    return str(path)
+
+
 def _valid_name(name: str) -> bool:
     return 0 < len(name) <= 32 and all(c.isalnum() or c in "_." for c in name) and name.isascii()
 
@@ -590,6 +635,7 @@ def _server_config(args: argparse.Namespace, name: str, path: str) -> ServerConf
         tool_call_parser=_tool_call_parser(args, path),
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
         pd_stall_pull_s=float(os.environ.get("HKV_PD_STALL_PULL_S") or 0.0),  # fault injection (tests/e2e/test_pd.py)
+        startup_stall_s=float(os.environ.get("HKV_STARTUP_STALL_S") or 0.0),  # (tests/e2e/test_startup.py)
     )
 
 
@@ -612,10 +658,12 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     max_running = args.max_running_requests or (32 if on_cpu else 256)
     cache = _cache_config(args, spec, max_running, on_cpu, dtype)
     server = _server_config(args, name, path)
+    compile_cache_dir = _compile_cache_dir(args.compile_cache_dir)
     run_dir = create_run_dir(name)  # mode 0700, marked with this process as its creator
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec,
-                          cuda_graph_max_bs=_graph_max_bs(args, max_running, on_cpu)),
+                          cuda_graph_max_bs=_graph_max_bs(args, max_running, on_cpu),
+                          compile_cache_dir=compile_cache_dir),
         cache=cache,
         scheduler=SchedulerConfig(
             max_running_requests=max_running,

@@ -3,6 +3,12 @@
     parse flags (exit 2 on a bad one) -> sweep orphaned shm -> create regions
     -> start ranks, router, api -> wait until each reports ready -> supervise
 
+While the actors start, the launcher prints the start-up phases the ranks
+report on their status pipes, one line each (hkv/ipc/startup.py), repeats the
+current one when it stays silent for TICK_S, and keeps the latest in the
+`startup` block, which the api's /ready reads. A signal during start-up stops
+every actor (exit 0); an actor that dies stops the rest (exit 1).
+
 If any child dies, the others are stopped in order (api, router, ranks; the
 api with SIGUSR1: fail what is in flight, do not drain), shared memory is
 unlinked and the launcher exits 1 with a one-line reason.
@@ -25,8 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from hkv.config import ConfigError, HkvConfig, parse_cli
-from hkv.ipc import request_table, stats, tier_regions
+from hkv.ipc import request_table, startup, stats, tier_regions
 from hkv.ipc.creator import Creator
 from hkv.ipc.process import setup_logging
 from hkv.ipc.rundir import remove_run_dir, sweep_run_dirs
@@ -38,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hkv.launch")
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 900.0
+TICK_S = 15.0  # a start-up phase silent this long is printed again, with its time so far
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Child:
     status_fd: int  # read end of the child's status pipe
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None  # what the child said before dying, if anything
+    partial: bytes = b""  # the start of a status line not read whole yet
 
 
 class Instance:
@@ -60,6 +70,10 @@ class Instance:
         self.lifeline_r, self.lifeline_w = os.pipe()
         self.draining = asyncio.Event()
         self.halt = asyncio.Event()  # a second signal: stop without draining
+        self.serving = False  # every actor reported ready
+        self.startup_block: memoryview | None = None  # the `startup` region's payload (not for a pd master)
+        self.phase: startup.StartupBlock | None = None  # the latest start-up report
+        self.printed_at = time.monotonic()  # when the last start-up line was printed
 
     def create_regions(self) -> None:
         cfg = self.cfg
@@ -83,6 +97,10 @@ class Instance:
         radix = ShmRegion.create(cfg.server.name, stats.RADIX_REGION, stats.RADIX_NBYTES, writer="router")
         self.regions.append(radix)
         registry.add(stats.RADIX_REGION, writer="router", version=1, layout={"format": "json_block"})
+        block = ShmRegion.create(cfg.server.name, startup.REGION, startup.NBYTES, writer="launcher")
+        self.regions.append(block)
+        registry.add(startup.REGION, writer="launcher", version=startup.VERSION, layout={"format": "json_block"})
+        self.startup_block = block.payload
         if cfg.cache.tiers:
             self.create_tier_regions(registry)
         if cfg.server.mode in ("prefill", "decode"):
@@ -133,15 +151,51 @@ class Instance:
         if not data:
             asyncio.get_running_loop().remove_reader(child.status_fd)
             return
-        for line in data.decode(errors="replace").splitlines():
+        *lines, child.partial = (child.partial + data).split(b"\n")
+        for line in lines:
             try:
-                event = json.loads(line)
+                event = json.loads(line.decode(errors="replace"))
             except ValueError:
+                continue
+            if not isinstance(event, dict):
                 continue
             if "ready" in event:
                 child.ready.set()
             elif "error" in event:
                 child.error = str(event["error"])
+            elif "progress" in event:
+                self._on_progress(child, event["progress"])
+
+    def _on_progress(self, child: Child, report: object) -> None:
+        """A start-up phase began, advanced or ended: print it, keep it for /ready (a bad report is dropped)."""
+        try:
+            progress = msgspec.convert(report, startup.StartupProgress)
+        except msgspec.ValidationError:
+            return
+        progress = msgspec.structs.replace(progress, actor=child.name)
+        now = time.monotonic()
+        self.phase = startup.StartupBlock(progress, began_at=now - progress.elapsed_s)
+        if self.startup_block is not None:
+            startup.write(self.startup_block, self.phase)
+        self._print_phase(startup.describe(progress))
+
+    def _print_phase(self, text: str) -> None:
+        actor = self.phase.progress.actor if self.phase is not None else "launch"
+        print(f"hkv-launch: {actor}: {text}", file=sys.stderr, flush=True)
+        self.printed_at = time.monotonic()
+
+    async def tick(self) -> None:
+        """Print the current start-up phase again when it stayed silent for TICK_S (owned by wait_ready)."""
+        while True:
+            await asyncio.sleep(max(0.0, self.printed_at + TICK_S - time.monotonic()))
+            now = time.monotonic()
+            if now - self.printed_at < TICK_S:
+                continue  # a report came meanwhile
+            phase = self.phase
+            if phase is not None and not phase.progress.ended:
+                self._print_phase(startup.describe(phase.progress, now - phase.began_at))
+            else:
+                self.printed_at = now  # between phases: nothing to repeat
 
     async def start_all(self) -> None:
         cfg = self.cfg
@@ -162,23 +216,29 @@ class Instance:
         await self.spawn("api", "hkv.actors.api", config_file, [])
 
     async def wait_ready(self) -> str | None:
-        """None once every child is ready, else why startup failed."""
+        """None once every child is ready, or a signal came (`draining` is set then), else why start-up failed."""
         ready = asyncio.ensure_future(asyncio.gather(*(c.ready.wait() for c in self.children)))
         died = asyncio.ensure_future(self.first_exit())
-        done, _ = await asyncio.wait({ready, died}, timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-        for task in (ready, died):
+        signalled = asyncio.ensure_future(self.draining.wait())
+        ticker = asyncio.ensure_future(self.tick())
+        done, _ = await asyncio.wait({ready, died, signalled}, timeout=READY_TIMEOUT_S,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        for task in (ready, died, signalled, ticker):
             task.cancel()
-        if ready in done:
-            return None
+        await asyncio.gather(ready, died, signalled, ticker, return_exceptions=True)
         if died in done:
             return died.result()
+        if ready in done or signalled in done:
+            return None
         return f"not ready after {READY_TIMEOUT_S:.0f} s"
 
     async def first_exit(self) -> str:
         waits = {asyncio.ensure_future(c.proc.wait()): c for c in self.children}
-        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()  # (the one that is done ignores it)
         child = waits[next(iter(done))]
         await asyncio.sleep(0.05)  # let its last status line arrive
         self._on_status(child) if _readable(child.status_fd) else None
@@ -295,8 +355,11 @@ async def _drain(inst: Instance) -> None:
 def _on_signal(inst: Instance) -> None:
     if inst.draining.is_set():
         inst.halt.set()
-    else:
+    elif inst.serving:
         log.info("draining: refusing new requests, finishing in-flight ones")
+        inst.draining.set()
+    else:
+        log.info("stopping during start-up")
         inst.draining.set()
 
 
@@ -319,6 +382,11 @@ async def _run(cfg: HkvConfig) -> int:
             await inst.stop_children(inst.stop_order())
             print(f"hkv-launch: failed to start: {failure}", file=sys.stderr, flush=True)
             return 1
+        if inst.draining.is_set():  # a signal during start-up: nothing to drain
+            await inst.stop_children(inst.stop_order())
+            print("hkv-launch: stopped during start-up", file=sys.stderr, flush=True)
+            return 0
+        inst.serving = True
         url = f"http://{cfg.server.host}:{cfg.server.port}"
         what = (f"the pd master of {len(cfg.server.prefill_urls)} prefill and {len(cfg.server.decode_urls)} decode "
                 "instances" if cfg.server.mode == "pd-master" else cfg.model.model)

@@ -281,3 +281,55 @@ def test_pd_transfer_parses_and_refuses_a_path_it_does_not_know(tmp_path, capsys
     with pytest.raises(SystemExit):
         parse_cli([*base, "--pd-transfer", "rdma"])
     assert "invalid choice: 'rdma'" in capsys.readouterr().err
+
+
+def _mkdir(path):
+    path.mkdir()
+    return path
+
+
+def _compile_cache(argv: list[str], folder) -> str:
+    cfg = parse_cli(["--device", "cpu", "--model", str(folder), *argv])
+    shutil.rmtree(cfg.run_dir)
+    return cfg.model.compile_cache_dir
+
+
+def test_the_compile_cache_goes_to_the_users_cache_folder_by_default_created_private(tmp_path, monkeypatch):
+    folder = _qwen3_5_folder(_mkdir(tmp_path / "model"))
+    monkeypatch.setenv("HKV_CACHE_DIR", str(tmp_path / "builtin"))  # the built-in models' folder only
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _compile_cache([], folder) == str(tmp_path / "xdg" / "hkv" / "compile")
+    assert (tmp_path / "xdg" / "hkv" / "compile").stat().st_mode & 0o777 == 0o700
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _compile_cache([], folder) == str(tmp_path / "home" / ".cache" / "hkv" / "compile")
+
+
+def test_the_compile_cache_flag_and_the_environment_a_rank_compiles_under(tmp_path):
+    folder = _qwen3_5_folder(_mkdir(tmp_path / "model"))
+    target = tmp_path / "deep" / "cc"
+    cfg = parse_cli(["--device", "cpu", "--model", str(folder), "--compile-cache-dir", str(target)])
+    shutil.rmtree(cfg.run_dir)
+    assert cfg.model.compile_cache_dir == str(target) and target.stat().st_mode & 0o777 == 0o700
+    assert cfg.model.compile_env() == {"TRITON_CACHE_DIR": str(target / "triton"), "TRITON_CACHE_AUTOTUNING": "1"}
+    assert HkvConfig.from_json(cfg.to_json()).model.compile_cache_dir == str(target)
+
+
+def test_a_compile_cache_others_could_write_or_that_is_a_file_exits_2(tmp_path):
+    folder = _qwen3_5_folder(_mkdir(tmp_path / "model"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # another user could plant kernels the ranks would load
+    with pytest.raises(ConfigError, match="writable by no one else .* mode 777"):
+        parse_cli(["--device", "cpu", "--model", str(folder), "--compile-cache-dir", str(shared)])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        parse_cli(["--device", "cpu", "--model", str(folder), "--compile-cache-dir", str(tmp_path / "file")])
+
+
+def test_the_start_up_stall_is_read_from_the_environment(tmp_path, monkeypatch):
+    folder = _qwen3_5_folder(_mkdir(tmp_path / "model"))
+    monkeypatch.setenv("HKV_STARTUP_STALL_S", "2.5")
+    cfg = parse_cli(["--device", "cpu", "--model", str(folder)])
+    shutil.rmtree(cfg.run_dir)
+    assert cfg.server.startup_stall_s == 2.5

@@ -14,6 +14,11 @@ after a size check, so neither the GIL nor their memory lands here. Clients
 get `server.request_timeout_s` to send a request (408 after) and at most
 `server.max_connections` connections (hkv/openai/http_limits.py).
 
+The api serves HTTP while the ranks still start: `/health` answers 200, `/ready`
+503 with `starting` and the start-up phase the launcher keeps in the `startup`
+block (hkv/ipc/startup.py), and generation requests 503 (`not_ready`) until the
+router first reports that it admits.
+
 On SIGTERM (`ctx.stop`) the api drains: new requests get 503, in-flight ones
 finish within `server.drain_timeout_s`, then the server closes and `serve`
 returns. When the engine is gone (`ctx.abandoned`: the launcher died, or told
@@ -66,7 +71,9 @@ from hkv.openai.protocol import (
 )
 from hkv.openai.responses import DONE_FRAME, ChatFormat, CompletionFormat, error_body, error_frame
 from hkv.openai.router_link import RequestStream, RouterLink
-from hkv.openai.stats_readers import attach_engine_stats, attach_pd_stats, attach_tier_stats, malformed_sources
+from hkv.openai.stats_readers import (
+    StartupPhase, attach_engine_stats, attach_pd_stats, attach_startup, attach_tier_stats, malformed_sources,
+)  # fmt: skip
 from hkv.openai.tokenize import PromptEncoder, TokenizeWorker, longest_token_chars
 from hkv.openai.tokenize_api import parse_detokenize, parse_tokenize
 
@@ -105,10 +112,12 @@ class Api:
     """Routes, handlers and drain state of the HTTP front."""
 
     def __init__(
-        self, cfg: HkvConfig, link: RouterLink, prompts: PromptEncoder, limits: ModelLimits, metrics: ApiMetrics
+        self, cfg: HkvConfig, link: RouterLink, prompts: PromptEncoder, limits: ModelLimits, metrics: ApiMetrics,
+        startup_phase: StartupPhase = lambda: None,
     ):
         self.cfg = cfg
         self.link = link
+        self.startup_phase = startup_phase  # what the ranks do while they start (the launcher's `startup` block)
         self.prompts = prompts
         self.tokenizer: Tokenizer = prompts.tokenizer
         self.limits = limits
@@ -248,9 +257,19 @@ class Api:
         except (jinja2.TemplateError, TokenizerError, TypeError, RecursionError) as exc:
             raise ProtocolError(400, f"the chat template rejected the messages: {exc}", "messages") from exc
 
+    @property
+    def starting(self) -> bool:
+        """The engine has not admitted anything yet and has not failed: the ranks are still starting."""
+        return not self.link.first_ready.is_set() and self.link.alive
+
     def _admit(self, sequences: int) -> None:
         if self.draining:
             raise ProtocolError(503, "the server is shutting down", None, "draining")
+        if self.starting:
+            phase = self.startup_phase()
+            doing = f" ({phase})" if phase else ""
+            raise ProtocolError(503, f"the server is starting{doing}; retry once /ready answers 200", None,
+                                "not_ready")
         if not self.link.ready:
             stalled = self.link.progress.stalled()
             message = f"the engine is not making progress ({stalled})" if stalled else "the engine is not ready"
@@ -361,7 +380,9 @@ class Api:
         ok = self.link.ready and not self.draining
         state = self.link.state
         engine = None if state is None else {**msgspec.structs.asdict(state), "stalled": self.link.progress.stalled()}
-        return _json({"ready": ok, "draining": self.draining, "engine": engine}, 200 if ok else 503)
+        starting = self.starting
+        return _json({"ready": ok, "draining": self.draining, "engine": engine, "starting": starting,
+                      "phase": self.startup_phase() if starting else None}, 200 if ok else 503)
 
     async def pd_info(self, request: web.Request) -> web.Response:
         return _json(self.pd.info())
@@ -458,7 +479,7 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
             metrics = ApiMetrics(malformed_sources(link, engine_stats, tier_stats), engine_stats, tier_stats,
                                  attach_pd_stats(cfg, stack))
             prompts = PromptEncoder(tokenizer, worker, limits)
-            api = Api(cfg, link, prompts, limits, metrics)
+            api = Api(cfg, link, prompts, limits, metrics, attach_startup(cfg, stack))
             url = await _start_http(cfg, api, stack)
             # Report ready only once the router can admit, so the launcher's ready line means /ready is 200.
             await run_until_stopped(link.first_ready.wait(), ctx.stop)

@@ -21,62 +21,39 @@ from hkv.engine import sizing
 from hkv.engine.logits_process import GrammarLoader, LogitsProcessor
 from hkv.engine.model_runner import ModelRunner
 from hkv.engine.prefill_graphs import SHORT_CHUNK_TOKENS
+from hkv.engine.startup import StartupReporter, StartupStopped
 from hkv.ipc import request_table
 from hkv.ipc.dgram import DgramReceiver, DgramSender
 from hkv.ipc.messages import RankInbound, RankOutbound, RankReady, Shutdown
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
+from hkv.ipc.startup import StartupProgress, describe
 
 log = logging.getLogger("hkv.rank")
 PLAN_SPIN_S = 0.002
 POLL_S = 20e-6  # between looks at the socket and the device while a step runs
 
 
-def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[ModelRunner, int, int]:
-    """Load the model, size and allocate its pools, capture decode graphs; (runner, usable KV pages,
-    usable state slots)."""
+def _build_runner(cfg: HkvConfig, table: request_table.RequestTable,
+                  startup: StartupReporter) -> tuple[ModelRunner, int, int]:
+    """Load the model, size and allocate its pools, compile the prefill kernels, capture the CUDA graphs,
+    each a start-up phase of `startup`; (runner, usable KV pages, usable state slots)."""
     import torch
 
     from hkv.engine import spec
-    from hkv.models.loader import TORCH_DTYPES, load_model
-    from hkv.storage.kv_pool import KVPool
-    from hkv.storage.state_pool import StatePool
 
     torch.manual_seed(cfg.model.seed)
     on_cuda = cfg.model.device == "cuda"
     if not on_cuda:
         torch.set_num_threads(cfg.model.cpu_threads)
     drafting = cfg.spec.spec_tokens > 0
-    loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, mtp=drafting)
-    model = loaded.model
-    if tuple(sorted(model.layer_map)) != cfg.model.spec.full_layers:
-        raise ValueError(f"the checkpoint's attention layers {sorted(model.layer_map)} differ from the "
-                         f"description the launcher read ({cfg.model.spec.full_layers}): was it replaced?")
+    model = _load_weights(cfg, drafting, startup)
     # on CUDA one more page and state slot than the router hands out: padded graph rows write there
     extra = 1 if on_cuda else 0
-    slots = cfg.cache.state_slots
-    if slots is None:  # CUDA, hybrid, no --state-slots: a share of the memory
-        slots = sizing.state_slots_from_memory(cfg, model)
-    # speculative decoding: (k + 1) scratch slots per request-table row for the verify states (hkv/engine/spec.py)
-    keep = spec.keep_slots_needed(table.layout.slots, cfg.spec.spec_tokens)
     draft = spec.draft_spec(model, cfg.spec.draft_window) if drafting else None
-    state_layout = model.state_layout(slots + extra + keep, device=cfg.model.device)
-    state = StatePool(state_layout, draft, TORCH_DTYPES[cfg.model.dtype]) if state_layout is not None else None
-    if state is not None:
-        log.info("state pool: %d slots, %.2f MiB each", slots, state_layout.bytes_per_slot / 2**20)
+    slots, state = _state_pool(cfg, model, table, draft, extra, startup)
     if on_cuda:  # compile and autotune the prefill kernels now, not in the first requests' TTFT
-        try:
-            log.info("prefill kernels warmed up in %.1f s", sizing.warm_up(model, cfg, state))
-        except Exception as exc:  # the first requests pay for the compiles instead; serving still works
-            log.warning("prefill warm-up failed (%s: %s); the first prefills will compile their kernels",
-                        type(exc).__name__, exc)
-    pages = cfg.cache.num_pages
-    if pages is None:  # the paged draft layer (W = 0) is part of every page's bytes there
-        pages = sizing.pages_from_memory(cfg, model, state)
-    layout = model.kv_layout(pages + extra, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
-    layout, layer_map = spec.with_paged_draft(model, layout, draft)  # W = 0: one more layer
-    kv = KVPool(layout, layer_map)
-    log.info("KV pool: %d pages x %d tokens, %.1f MiB", pages, layout.page_size,
-             layout.bytes_per_page() * pages / 2**20)
+        _warm_up(cfg, model, state, startup)
+    pages, kv = _kv_pool(cfg, model, state, draft, extra, startup)
     scratch = (pages, slots if state is not None else None) if on_cuda else None
     runner = ModelRunner(model, kv, state, table, cfg.cache.page_size, cfg.model.device, scratch=scratch,
                          max_tokens=cfg.scheduler.chunked_prefill_size + cfg.scheduler.max_running_requests,
@@ -91,7 +68,72 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
         _share_pools(cfg, runner)
     if cfg.pair_backend:
         _open_pair(cfg, runner)
-    seconds = runner.capture_graphs()
+    _log_graphs(runner, runner.capture_graphs(startup))
+    return runner, pages, slots
+
+
+def _load_weights(cfg: HkvConfig, drafting: bool, startup: StartupReporter):
+    """The model with its weights on the device (a start-up phase, a part per tensor)."""
+    from hkv.models.loader import load_model, weight_tensors
+
+    with startup.phase("loading weights", weight_tensors(cfg.model.path), "tensors") as phase:
+        model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, mtp=drafting,
+                           progress=phase.advance).model
+        phase.hold(cfg.server.startup_stall_s)  # fault injection: tests see the instance starting
+    if tuple(sorted(model.layer_map)) != cfg.model.spec.full_layers:
+        raise ValueError(f"the checkpoint's attention layers {sorted(model.layer_map)} differ from the "
+                         f"description the launcher read ({cfg.model.spec.full_layers}): was it replaced?")
+    return model
+
+
+def _state_pool(cfg: HkvConfig, model, table: request_table.RequestTable, draft, extra: int,
+                startup: StartupReporter):
+    """(usable state slots, the state pool or None for a dense model), sized from memory without --state-slots."""
+    from hkv.engine import spec
+    from hkv.models.loader import TORCH_DTYPES
+    from hkv.storage.state_pool import StatePool
+
+    if model.state_layout(1, device="meta") is None:  # a dense family
+        return cfg.cache.state_slots or 0, None
+    sized = cfg.cache.state_slots is None  # CUDA, hybrid, no --state-slots: a share of the memory
+    with startup.phase("sizing the state pool" if sized else "allocating the state pool"):
+        slots = sizing.state_slots_from_memory(cfg, model) if sized else cfg.cache.state_slots
+        # speculative decoding: (k + 1) scratch slots per request-table row for the verify states (hkv/engine/spec.py)
+        keep = spec.keep_slots_needed(table.layout.slots, cfg.spec.spec_tokens)
+        state_layout = model.state_layout(slots + extra + keep, device=cfg.model.device)
+        state = StatePool(state_layout, draft, TORCH_DTYPES[cfg.model.dtype])
+    log.info("state pool: %d slots, %.2f MiB each", slots, state_layout.bytes_per_slot / 2**20)
+    return slots, state
+
+
+def _warm_up(cfg: HkvConfig, model, state, startup: StartupReporter) -> None:
+    """Compile (and autotune) the prefill kernels: a start-up phase, a part per warm-up forward."""
+    try:
+        with startup.phase("compiling prefill kernels", sizing.warm_up_steps(cfg), "steps") as phase:
+            log.info("prefill kernels warmed up in %.1f s", sizing.warm_up(model, cfg, state, phase.advance))
+    except Exception as exc:  # the first requests pay for the compiles instead; serving still works
+        log.warning("prefill warm-up failed (%s: %s); the first prefills will compile their kernels",
+                    type(exc).__name__, exc)
+
+
+def _kv_pool(cfg: HkvConfig, model, state, draft, extra: int, startup: StartupReporter):
+    """(usable KV pages, the KV pool), sized from memory without --max-total-tokens."""
+    from hkv.engine import spec
+    from hkv.storage.kv_pool import KVPool
+
+    pages = cfg.cache.num_pages
+    with startup.phase("sizing the KV pool" if pages is None else "allocating the KV pool"):
+        if pages is None:  # the paged draft layer (W = 0) is part of every page's bytes there
+            pages = sizing.pages_from_memory(cfg, model, state)
+        layout = model.kv_layout(pages + extra, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
+        layout, layer_map = spec.with_paged_draft(model, layout, draft)  # W = 0: one more layer
+        kv = KVPool(layout, layer_map)
+    log.info("KV pool: %d pages x %d tokens, %.1f MiB", pages, layout.page_size,
+             layout.bytes_per_page() * pages / 2**20)
+    return pages, kv
+
+
+def _log_graphs(runner: ModelRunner, seconds: float) -> None:
     if runner.graphs is not None:
         log.info("CUDA graphs: %d decode buckets up to batch %d (all graphs captured in %.1f s)",
                  len(runner.graphs.graphs), runner.graphs.max_bs, seconds)
@@ -107,7 +149,6 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable) -> tuple[Mo
         log.info("CUDA graphs: %d verify buckets up to batch %d (%d tokens a row%s) in %.1f s",
                  len(verify_graphs.graphs), verify_graphs.max_bs, verify_graphs.q,
                  ", drafter included" if verify_graphs.ring else "", seconds)
-    return runner, pages, slots
 
 
 def _grammar_loader(cfg: HkvConfig, vocab_size: int) -> GrammarLoader:
@@ -205,7 +246,33 @@ def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
     return region
 
 
+def use_compile_cache(cfg: HkvConfig) -> None:
+    """Point Triton at --compile-cache-dir, for this process. Early enough at the start of `serve`: Triton
+    reads its cache directory when it compiles a kernel, at its first launch, and an autotuner reads
+    TRITON_CACHE_AUTOTUNING where it is defined, at fla-core's first import, in the prefill warm-up."""
+    os.environ.update(cfg.model.compile_env())
+
+
+def _startup_reporter(ctx: ActorContext) -> StartupReporter:
+    """Start-up phases go to the launcher, which prints them (and to this log at debug level)."""
+
+    def emit(progress: StartupProgress) -> None:
+        log.debug("start-up: %s", describe(progress))
+        ctx.progress(progress)
+
+    return StartupReporter(emit, ctx.stopping)
+
+
+def _warm_tier_loads(runner: ModelRunner, startup: StartupReporter) -> None:
+    try:
+        with startup.phase("warming up CPU tier loads"):
+            log.info("CPU tier loads warmed up in %.2f s", runner.warm_tier_loads())
+    except Exception as exc:  # the first tier hit pays for their first launch instead
+        log.warning("CPU tier load warm-up failed (%s: %s)", type(exc).__name__, exc)
+
+
 async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
+    use_compile_cache(cfg)
     region, table = request_table.attach(cfg.server.name, readonly=True)
     # The step link is a Unix datagram pair (hkv/ipc/dgram.py); the rank polls briefly for the
     # next plan after answering, since the router sends it within a fraction of a millisecond.
@@ -213,15 +280,17 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     outbox: DgramSender[RankOutbound] = DgramSender(cfg.ipc_address("router_results"), "router_results")
     host_region = None
     runner = None
+    startup = _startup_reporter(ctx)
     try:
-        runner, pages, slots = await asyncio.to_thread(_build_runner, cfg, table)
-        if cfg.cache.tiers:
-            host_region = _attach_host_pool(cfg, runner)
-            if cfg.model.device == "cuda":
-                try:
-                    log.info("CPU tier loads warmed up in %.2f s", await asyncio.to_thread(runner.warm_tier_loads))
-                except Exception as exc:  # the first tier hit pays for their first launch instead
-                    log.warning("CPU tier load warm-up failed (%s: %s)", type(exc).__name__, exc)
+        try:  # in threads, which SIGTERM stops at their next start-up report
+            runner, pages, slots = await asyncio.to_thread(_build_runner, cfg, table, startup)
+            if cfg.cache.tiers:
+                host_region = _attach_host_pool(cfg, runner)
+                if cfg.model.device == "cuda":
+                    await asyncio.to_thread(_warm_tier_loads, runner, startup)
+        except StartupStopped:
+            log.info("stopped while starting")
+            return
         inbox.start()
         uuid = ipc_uuid(runner)
         address = runner.pair.address if runner.pair is not None and cfg.server.mode == "decode" else ""

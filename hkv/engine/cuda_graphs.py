@@ -86,13 +86,16 @@ class DecodeGraphs:
         """The captured bucket a decode batch of this size replays, or None (too large)."""
         return next((b for b in sorted(self.graphs) if b >= batch_size), None)
 
-    def capture_all(self) -> float:
-        """Capture every bucket, largest first (its pool serves the smaller ones); returns seconds."""
+    def capture_all(self, progress: Callable[[], None] | None = None) -> float:
+        """Capture every bucket, largest first (its pool serves the smaller ones), `progress()` after
+        each; returns seconds."""
         started = time.perf_counter()
         sizes = sorted(buckets_up_to(self.max_bs), reverse=True)
         for i, b in enumerate(sizes, 1):
             self._capture(b)
-            log.info("captured CUDA graph %d/%d (batch %d)", i, len(sizes), b)
+            log.debug("captured CUDA graph %d/%d (batch %d)", i, len(sizes), b)
+            if progress is not None:
+                progress()
         if self.arena.device.type == "cuda":
             self.measure()
         return time.perf_counter() - started

@@ -29,11 +29,12 @@ import torch
 from hkv.cache.types import (
     LoadPages, LoadState, PeerCopy, PeerRecv, PeerSend, RestoreCheckpoint, SaveCheckpoint, StorePages, StoreState,
 )  # fmt: skip
-from hkv.engine.cuda_graphs import DecodeGraphs
+from hkv.engine.cuda_graphs import DecodeGraphs, buckets_up_to
 from hkv.engine.logits_process import LogitsProcessor
 from hkv.engine.pair_transfers import PairTransferError
 from hkv.engine.prefill_graphs import PrefillGraphs, StepParts
 from hkv.engine.sampler import PendingSample, SampleRow, sample_async
+from hkv.engine.startup import StartupReporter
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import (
     STEP_DECODE_GRAPH, STEP_EAGER, STEP_MIXED_GRAPHS, STEP_SHORT_PREFILL_GRAPHS, Chunk, Sampled, SamplingParams,
@@ -153,15 +154,20 @@ class ModelRunner:
                                                 scratch[1], self.page_size, stage_tokens=max_tokens,
                                                 checkpoint_every=checkpoint_interval)
 
-    def capture_graphs(self) -> float:
+    def capture_graphs(self, startup: StartupReporter | None = None) -> float:
         """Capture the decode graphs, the short-prefill graphs and, when speculating, the verify graphs
-        (start-up); returns the seconds it took (0 without graphs). Prefill graphs that fail to capture
-        are dropped with a warning: those steps run eagerly, as before."""
-        seconds = self.graphs.capture_all() if self.graphs is not None else 0.0
+        (start-up, each set a phase of `startup`); returns the seconds it took (0 without graphs). Prefill
+        graphs that fail to capture are dropped with a warning: those steps run eagerly, as before."""
+        startup = startup or StartupReporter.silent()
+        seconds = 0.0
+        if self.graphs is not None:
+            with startup.phase("capturing decode graphs", len(buckets_up_to(self.graphs.max_bs)), "graphs") as phase:
+                seconds += self.graphs.capture_all(phase.advance)
         if self.prefill_graphs is not None:
             stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
             try:
-                seconds += self.prefill_graphs.capture_all()
+                with startup.phase("capturing prefill graphs", len(self.prefill_graphs.sizes), "graphs") as phase:
+                    seconds += self.prefill_graphs.capture_all(phase.advance)
             except Exception as exc:
                 # a capture that fails inside torch.cuda.graph raises again from capture_end, which skips
                 # restoring the stream: put it back, and name the first error
@@ -172,8 +178,10 @@ class ModelRunner:
                             type(first).__name__, first)
                 self.prefill_graphs = None
                 self._sync()
-        if self.spec is not None and self.spec.graphs is not None:
-            seconds += self.spec.graphs.capture_all()
+        verify = self.spec.graphs if self.spec is not None else None
+        if verify is not None:
+            with startup.phase("capturing verify graphs", len(buckets_up_to(verify.max_bs)), "graphs") as phase:
+                seconds += verify.capture_all(phase.advance)
         return seconds
 
     def warm_tier_loads(self) -> float:

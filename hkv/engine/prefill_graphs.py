@@ -48,6 +48,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -343,8 +344,9 @@ class PrefillGraphs:
             state_slots=mine["state_slots"] if self.state is not None else None, checkpoints=checkpoints,
         )
 
-    def capture_all(self) -> float:
-        """Capture every bucket, most tokens first (its pool serves the smaller ones); returns seconds."""
+    def capture_all(self, progress: Callable[[], None] | None = None) -> float:
+        """Capture every bucket, most tokens first (its pool serves the smaller ones), `progress()` after
+        each; returns seconds."""
         started = time.perf_counter()
         arrays: dict[str, np.ndarray] = {}
         for bt in self.sizes:  # every bucket's fixed fields, and padding that writes only scratch memory
@@ -354,8 +356,10 @@ class PrefillGraphs:
         self.batches = {bt: self._static_batch(bt, views) for bt in self.sizes}
         for i, bt in enumerate(self.sizes, 1):
             self._capture(bt)
-            log.info("captured CUDA graph %d/%d (prefill of %d x %d token%s)", i, len(self.sizes), *bt,
-                     "s" * (bt[1] > 1))
+            log.debug("captured CUDA graph %d/%d (prefill of %d x %d token%s)", i, len(self.sizes), *bt,
+                      "s" * (bt[1] > 1))
+            if progress is not None:
+                progress()
         if self.arena.device.type == "cuda":
             self.measure()
         return time.perf_counter() - started

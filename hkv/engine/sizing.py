@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -126,7 +127,12 @@ def graph_logit_rows(cfg: HkvConfig) -> int:
 WARM_UP_LENS = (129, 64, 1)  # two prompts (the first ends in a partial GDN chunk) and a decode row
 
 
-def warm_up(model, cfg: HkvConfig, state) -> float:
+def warm_up_steps(cfg: HkvConfig) -> int:
+    """The forwards `warm_up` runs (its start-up phase's parts)."""
+    return 3 if cfg.model.device == "cuda" and cfg.cache.num_pages is not None else 2
+
+
+def warm_up(model, cfg: HkvConfig, state, progress: Callable[[], None] | None = None) -> float:
     """Eager steps over a throwaway KV pool so that Triton compiles, and fla-core autotunes, the
     prefill kernels at start-up instead of inside the first requests' TTFT (on a fresh machine
     the first shared-prefix wave waited 48 s for that): a mixed step of WARM_UP_LENS with an
@@ -134,20 +140,23 @@ def warm_up(model, cfg: HkvConfig, state) -> float:
     (on CUDA, when the KV pool is not sized from memory, which runs it anyway) one prompt of
     --chunked-prefill-size tokens (its lengths specialize other kernel variants: without
     it the first 8,192-token prompt of a server with --max-total-tokens compiled for 9 s on an
-    H200). Sequences use the scratch state slot, zeroed after. Returns the seconds it took."""
+    H200). Sequences use the scratch state slot, zeroed after. `progress()` after each of the
+    `warm_up_steps(cfg)` forwards. Returns the seconds it took."""
     started = time.perf_counter()
     scratch = state.num_slots - 1 if state is not None else None
+    progress = progress or (lambda: None)
     try:
-        _warm_up_steps(model, cfg, state, scratch)
+        _warm_up_steps(model, cfg, state, scratch, progress)
         if cfg.model.device == "cuda" and cfg.cache.num_pages is not None:
             _activation_peak(model, cfg, state)  # (sizing from memory runs it next anyway)
+            progress()
     finally:
         if state is not None:
             state.zero_slot(scratch)
     return time.perf_counter() - started
 
 
-def _warm_up_steps(model, cfg: HkvConfig, state, scratch: int | None) -> None:
+def _warm_up_steps(model, cfg: HkvConfig, state, scratch: int | None, progress: Callable[[], None]) -> None:
     from hkv.storage.kv_pool import KVPool
 
     page_size = cfg.cache.page_size
@@ -176,3 +185,4 @@ def _warm_up_steps(model, cfg: HkvConfig, state, scratch: int | None) -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             torch.cuda.empty_cache()
+        progress()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -110,13 +111,16 @@ class VerifyGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in sorted(self.graphs) if b >= n)
 
-    def capture_all(self) -> float:
-        """Capture every bucket, largest first (its pool serves the smaller ones); returns seconds."""
+    def capture_all(self, progress: Callable[[], None] | None = None) -> float:
+        """Capture every bucket, largest first (its pool serves the smaller ones), `progress()` after
+        each; returns seconds."""
         started = time.perf_counter()
         sizes = sorted(buckets_up_to(self.max_bs), reverse=True)
         for i, b in enumerate(sizes, 1):
             self._capture(b)
-            log.info("captured verify graph %d/%d (batch %d, %d tokens a row)", i, len(sizes), b, self.q)
+            log.debug("captured verify graph %d/%d (batch %d, %d tokens a row)", i, len(sizes), b, self.q)
+            if progress is not None:
+                progress()
         return time.perf_counter() - started
 
     def _capture(self, b: int) -> None:

@@ -10,7 +10,9 @@ The launcher starts each actor as `python -m hkv.actors.<name> --config-file F
   launcher created (nobody else is left to do it), and nothing a later
   launcher of the same name created;
 - the status pipe carries one JSON line per event to the launcher:
-  `{"ready": {...}}` once the actor serves, `{"error": "..."}` before it dies.
+  `{"progress": {...}}` as a start-up phase begins, advances and ends
+  (hkv/ipc/startup.py: the launcher prints a line for each), `{"ready": {...}}`
+  once the actor serves, `{"error": "..."}` before it dies.
 
 SIGTERM asks the actor to stop (the api drains first); SIGUSR1, sent by the
 launcher when another actor died, asks it to stop without draining, since
@@ -27,11 +29,15 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from hkv.config import HkvConfig
 from hkv.ipc.creator import Creator
+from hkv.ipc.startup import StartupProgress
 
 log = logging.getLogger("hkv")
 
@@ -44,9 +50,15 @@ class ActorContext:
     rank: int
     status_fd: int
     stop: asyncio.Event = field(default_factory=asyncio.Event)  # set: leave now (after draining)
+    # set with `stop`, for work in a thread that cannot await it (a rank's start-up, hkv/engine/startup.py)
+    stopping: threading.Event = field(default_factory=threading.Event)
     launcher_gone: bool = False  # the lifeline broke: nobody else will clean up
     abandoned: str | None = None  # why in-flight work cannot finish (no drain); None: stop normally
     launcher: Creator | None = None  # the process that started this actor, which created the instance
+
+    def progress(self, report: StartupProgress) -> None:
+        """Tell the launcher how start-up goes (any thread: one line is one atomic pipe write)."""
+        self._status({"progress": msgspec.to_builtins(report)})
 
     def ready(self, **info) -> None:
         """Tell the launcher this actor serves."""
@@ -60,6 +72,7 @@ class ActorContext:
         if not self.stop.is_set():
             log.info("%s: stopping (%s)", self.name, reason)
             self.stop.set()
+            self.stopping.set()
 
     def abandon(self, reason: str) -> None:
         """Stop without draining: the engine behind this actor is gone."""

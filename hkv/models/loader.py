@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,10 +119,13 @@ def find_weight_shards(folder: Path) -> list[WeightShard]:
     return shards
 
 
-def iter_tensors(shards: list[WeightShard]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of every shard, with a progress bar on a terminal."""
+def iter_tensors(shards: list[WeightShard], progress: Callable[[], None] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of every shard; `progress()` after each (a rank's start-up
+    report), else a progress bar on a terminal."""
     total = sum(len(s.tensor_names) for s in shards)
-    with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr, disable=None) as bar:
+    with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr,
+              disable=True if progress is not None else None) as bar:
         for shard in shards:
             with safe_open(str(shard.path), framework="pt", device="cpu") as f:
                 for name in shard.tensor_names:
@@ -134,6 +137,8 @@ def iter_tensors(shards: list[WeightShard]) -> Iterator[tuple[str, torch.Tensor]
                         )
                     yield name, tensor
                     bar.update(1)
+                    if progress is not None:
+                        progress()
 
 
 def weights_digest(paths: list[Path], chunk_bytes: int = 1 << 20, cache: Path | None = None) -> str:
@@ -213,9 +218,12 @@ def _build_empty(family: type, cfg: object, dtype: torch.dtype, device: str, mtp
     return model.to(dtype=dtype).to_empty(device=device)
 
 
-def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False) -> LoadedModel:
+def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
+               progress: Callable[[], None] | None = None) -> LoadedModel:
     """Build the checkpoint's model family on `device` in `dtype` and load its weights
     (with mtp=True also its MTP module, `mtp.*`, for speculative decoding).
+
+    progress: called after each tensor is read (of `weight_tensors(path)`; a rank's start-up phase).
 
     dtype: float32 | bfloat16 | float16 (resolved, never "auto"). Raises ModelLoadError for
     a missing folder/config/weights/shard or unsupported tensors, ValueError for an
@@ -229,10 +237,15 @@ def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False) -> 
     cfg = family.config_class.from_hf(hf_config)
     shards = find_weight_shards(folder)
     model = _build_empty(family, cfg, TORCH_DTYPES[dtype], device, mtp)
-    model.load_weights(iter_tensors(shards))
+    model.load_weights(iter_tensors(shards, progress))
     model.eval()
     model.prepare_for_device()  # CUDA: fused projections (views of one weight; CPU: nothing)
     return LoadedModel(model=model, hf_config=hf_config)
+
+
+def weight_tensors(path: str | Path) -> int:
+    """Tensors in the folder's safetensors files (their headers), what `load_model` reads."""
+    return sum(len(shard.tensor_names) for shard in find_weight_shards(Path(path)))
 
 
 def describe_model(path: str | Path) -> ModelSpec:

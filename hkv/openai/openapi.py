@@ -227,7 +227,9 @@ def _schemas(limits: ModelLimits) -> dict[str, Any]:
         "Health": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
         "Ready": {"type": "object", "required": ["ready", "draining", "engine"], "properties": {
             "ready": {"type": "boolean"}, "draining": {"type": "boolean"},
-            "engine": _nullable({"type": "object"})}},
+            "engine": _nullable({"type": "object"}),
+            "starting": {"type": "boolean", "description": "the ranks are still starting"},
+            "phase": _nullable({"type": "string", "description": "while starting: what they do, and how far"})}},
         "TokenizeRequest": {"oneOf": [
             {"type": "object", "required": ["prompt"], "properties": {
                 "prompt": {"type": "string", "minLength": 1}, "add_special_tokens": _nullable({"type": "boolean"})}},

@@ -1,17 +1,39 @@
-"""Readers of the other actors' shared-memory stats blocks, for /metrics (read at scrape time)."""
+"""Readers of the other actors' shared-memory blocks: stats for /metrics (read at scrape time), and the
+launcher's start-up block for /ready (read while the instance starts)."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 from hkv.config import HkvConfig
-from hkv.ipc import json_block, stats
+from hkv.ipc import json_block, startup, stats
 from hkv.ipc.shm import ShmError, ShmRegion
 from hkv.openai.router_link import RouterLink
 
 EngineStats = Callable[[], dict[str, float] | None]
 TierStats = Callable[[], dict | None]
+StartupPhase = Callable[[], str | None]
+
+
+def attach_startup(cfg: HkvConfig, stack: contextlib.AsyncExitStack) -> StartupPhase:
+    """A reader of the launcher's start-up block: the current phase as text, with its time so far
+    ("rank0: capturing decode graphs (6/24 graphs, 5.1 s)"); None before the first report or without the block."""
+    try:
+        region = ShmRegion.attach(cfg.server.name, startup.REGION, readonly=True)
+    except ShmError:
+        return lambda: None
+    stack.callback(region.close)
+
+    def read() -> str | None:
+        block = startup.read(region.payload)
+        if block is None:
+            return None
+        p = block.progress
+        return f"{p.actor}: {startup.describe(p, None if p.ended else time.monotonic() - block.began_at)}"
+
+    return read
 
 
 def attach_engine_stats(cfg: HkvConfig, stack: contextlib.AsyncExitStack) -> EngineStats:

@@ -74,6 +74,7 @@ class Server:
     name: str
     log_path: Path
     stdout_lines: list[str] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)  # the ready line came, or stdout closed
 
     @property
     def url(self) -> str:
@@ -111,6 +112,16 @@ class Server:
 def launch(args: list[str], tmp_path: Path, env: dict | None = None, port: int | None = None,
            name: str | None = None) -> Server:
     """Start hkv-launch and wait for its ready line; raises with its log if it fails."""
+    server = spawn(args, tmp_path, env, port, name)
+    if not server.ready.wait(READY_TIMEOUT_S) or server.proc.poll() is not None:
+        server.stop(signal.SIGKILL)
+        raise AssertionError(f"hkv-launch did not become ready:\n{''.join(server.stdout_lines)}\n{server.log()}")
+    return server
+
+
+def spawn(args: list[str], tmp_path: Path, env: dict | None = None, port: int | None = None,
+          name: str | None = None) -> Server:
+    """Start hkv-launch and return at once (`ready` is set at its ready line, or when it exits)."""
     port = port or free_port()
     name = name or f"t{os.getpid()}_{port}"
     log_path = tmp_path / f"hkv-{port}.log"
@@ -123,19 +134,15 @@ def launch(args: list[str], tmp_path: Path, env: dict | None = None, port: int |
         env={**os.environ, **(env or {})},
     )
     server = Server(proc, port, name, log_path)
-    ready = threading.Event()
 
     def pump():
         for line in proc.stdout:
             server.stdout_lines.append(line)
             if "serving" in line:
-                ready.set()
-        ready.set()
+                server.ready.set()
+        server.ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(READY_TIMEOUT_S) or proc.poll() is not None:
-        server.stop(signal.SIGKILL)
-        raise AssertionError(f"hkv-launch did not become ready:\n{''.join(server.stdout_lines)}\n{server.log()}")
     return server
 
 

@@ -242,7 +242,7 @@ def test_a_failed_capture_leaves_those_steps_eager(monkeypatch, caplog):
     table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
     runner = _runner(model, table, True)
 
-    def broken(self):
+    def broken(self, progress=None):
         try:
             raise RuntimeError("operation not permitted when stream is capturing")
         except RuntimeError:
