@@ -40,7 +40,8 @@ class ModelSpec:
 
     Built by `hkv.models.loader.describe_model` from config.json (through the
     model family's own parser, so the rank builds exactly this model) and the
-    tokenizer (EOS ids). Nothing else parses config.json to learn these facts.
+    tokenizer (EOS ids, the chat template's tool-call format). Nothing else parses config.json to learn
+    these facts.
     """
 
     family: str  # config.json model_type
@@ -58,6 +59,7 @@ class ModelSpec:
     linear_v_dim: int = 0
     conv_kernel: int = 0  # GDN causal conv width
     declared_dtype: str | None = None  # config.json's dtype / torch_dtype, if any
+    tool_call_format: str | None = None  # what the chat template teaches: hermes | qwen3_coder | None
 
     @property
     def hybrid(self) -> bool:
@@ -463,20 +465,14 @@ def _api_key(args: argparse.Namespace) -> KeyHash | None:
     return _key("--api-key-file", lines[0].strip(), "HKV_API_KEY")
 
 
-def _tool_call_parser(args: argparse.Namespace, path: str) -> str | None:
-    """--tool-call-parser resolved: auto reads the chat template's format (hkv/openai/chat_output.py)."""
+def _tool_call_parser(args: argparse.Namespace, spec: ModelSpec) -> str | None:
+    """--tool-call-parser resolved: auto takes the format the chat template teaches (the model's description)."""
     if args.tool_call_parser != "auto":
         return None if args.tool_call_parser == "none" else args.tool_call_parser
-    from hkv.models.tokenizer import Tokenizer, TokenizerError
-    from hkv.openai.chat_output import tool_parser_for_template
-
-    try:
-        return tool_parser_for_template(Tokenizer.from_folder(path).chat_template)
-    except (OSError, ValueError, TokenizerError):  # the model's description has already vetted the folder
-        return None
+    return spec.tool_call_format
 
 
-def _server_config(args: argparse.Namespace, name: str, path: str) -> ServerConfig:
+def _server_config(args: argparse.Namespace, name: str, spec: ModelSpec) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -498,7 +494,7 @@ def _server_config(args: argparse.Namespace, name: str, path: str) -> ServerConf
         pd_timeout_s=args.pd_timeout,
         pd_transfer=args.pd_transfer,
         log_request_times=args.log_request_times,
-        tool_call_parser=_tool_call_parser(args, path),
+        tool_call_parser=_tool_call_parser(args, spec),
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
         pd_stall_pull_s=float(os.environ.get("HKV_PD_STALL_PULL_S") or 0.0),  # fault injection (tests/e2e/test_pd.py)
         startup_stall_s=float(os.environ.get("HKV_STARTUP_STALL_S") or 0.0),  # (tests/e2e/test_startup.py)
@@ -523,7 +519,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     on_cpu = device == "cpu"
     max_running = args.max_running_requests or (32 if on_cpu else 256)
     cache = _cache_config(args, spec, max_running, on_cpu, dtype)
-    server = _server_config(args, name, path)
+    server = _server_config(args, name, spec)
     compile_cache_dir = _compile_cache_dir(args.compile_cache_dir)
     run_dir = create_run_dir(name)  # mode 0700, marked with this process as its creator
     return HkvConfig(

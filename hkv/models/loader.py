@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from hkv.config import ModelSpec
 from hkv.models.registry import resolve_family
-from hkv.models.tokenizer import Tokenizer
+from hkv.models.tokenizer import Tokenizer, tool_call_format
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # checkpoint tensor dtypes we cast from; anything else is a quantized format we do not run
@@ -250,7 +250,8 @@ def weight_tensors(path: str | Path) -> int:
 
 def describe_model(path: str | Path) -> ModelSpec:
     """The served model's description (hkv.config.ModelSpec): the family's own parse of
-    config.json plus the tokenizer's EOS ids. The CLI calls this once; actors read the result.
+    config.json plus the tokenizer's EOS ids and the tool-call format its chat template teaches. The CLI
+    calls this once; actors read the result.
 
     Raises ModelLoadError (or the family's ValueError) for a checkpoint hkv cannot serve.
     """
@@ -273,9 +274,11 @@ def describe_model(path: str | Path) -> ModelSpec:
         linear = dict(linear_k_heads=cfg.linear_num_key_heads, linear_v_heads=cfg.linear_num_value_heads,
                       linear_k_dim=cfg.linear_key_head_dim, linear_v_dim=cfg.linear_value_head_dim,
                       conv_kernel=cfg.linear_conv_kernel_dim)
+    tokenizer = Tokenizer.from_folder(folder)
     return ModelSpec(
         family=hf_config["model_type"], layer_kinds=kinds, vocab_size=cfg.vocab_size,
-        max_context=cfg.max_position_embeddings, eos_ids=Tokenizer.from_folder(folder).eos_token_ids,
+        max_context=cfg.max_position_embeddings, eos_ids=tokenizer.eos_token_ids,
+        tool_call_format=tool_call_format(tokenizer.chat_template),
         hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim, declared_dtype=declared if isinstance(declared, str) else None, **linear,
     )

@@ -106,6 +106,18 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def tool_call_format(template: str | None) -> str | None:
+    """The tool-call format a chat template teaches: "qwen3_coder" (Qwen3-Coder's and Qwen3.5's XML),
+    "hermes" (Qwen2.5's and Qwen3's <tool_call> JSON), or None (hkv/openai/chat_output.py parses both)."""
+    if not template:
+        return None
+    if "<function=" in template:
+        return "qwen3_coder"
+    if "<tool_call>" in template:
+        return "hermes"
+    return None
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """A chat template compiled in a sandbox with transformers' filters and globals."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])

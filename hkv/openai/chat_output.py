@@ -62,17 +62,6 @@ class ParsedDelta:
         self.tool_calls += other.tool_calls
 
 
-def tool_parser_for_template(template: str | None) -> str | None:
-    """The tool-call format a chat template teaches: qwen3_coder's XML, hermes' JSON, or None."""
-    if not template:
-        return None
-    if "<function=" in template:
-        return "qwen3_coder"
-    if CALL_OPEN in template:
-        return "hermes"
-    return None
-
-
 def prompt_opens_reasoning(prompt: str) -> bool:
     """The rendered prompt ends inside a `<think>` block: the answer starts as reasoning."""
     return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)

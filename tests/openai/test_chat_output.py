@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkv.openai.chat_output import (
-    ChatOutputParser, merge_tool_calls, prompt_opens_reasoning, tool_parser_for_template,
-)  # fmt: skip
+from hkv.models.tokenizer import tool_call_format as tool_parser_for_template
+from hkv.openai.chat_output import ChatOutputParser, merge_tool_calls, prompt_opens_reasoning
 
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                                             "hourly": {"type": "boolean"},
