@@ -101,6 +101,11 @@ class ModelConfig:
             return {}
         return {"TRITON_CACHE_DIR": str(Path(self.compile_cache_dir) / "triton"), "TRITON_CACHE_AUTOTUNING": "1"}
 
+    def apply_compile_env(self) -> None:
+        """Set compile_env() in this process (a rank, before its first kernel compiles): this module is the
+        one that touches the environment."""
+        os.environ.update(self.compile_env())
+
 
 @dataclass(frozen=True)
 class CacheConfig:

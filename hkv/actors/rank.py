@@ -250,7 +250,7 @@ def use_compile_cache(cfg: HkvConfig) -> None:
     """Point Triton at --compile-cache-dir, for this process. Early enough at the start of `serve`: Triton
     reads its cache directory when it compiles a kernel, at its first launch, and an autotuner reads
     TRITON_CACHE_AUTOTUNING where it is defined, at fla-core's first import, in the prefill warm-up."""
-    os.environ.update(cfg.model.compile_env())
+    cfg.model.apply_compile_env()
 
 
 def _startup_reporter(ctx: ActorContext) -> StartupReporter:
