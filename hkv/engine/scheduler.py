@@ -42,7 +42,6 @@ one step later. Other waiting sequences pass the held ones.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections import deque
 
 from hkv.cache.coordinator import CacheCoordinator
@@ -60,7 +59,6 @@ from hkv.ipc.messages import Chunk, GenerateRequest, NewSequence, StepPlan, Step
 from hkv.ipc.request_table import RequestTable
 
 __all__ = ["Scheduler", "SchedulerLimits", "Sequence"]
-log = logging.getLogger("hkv.router")
 
 
 class Scheduler(Publishing, PrefixWaiting, Speculating, PdFetching, PdPairing):
@@ -95,9 +93,7 @@ class Scheduler(Publishing, PrefixWaiting, Speculating, PdFetching, PdPairing):
 
     def add(self, req: GenerateRequest) -> None:
         seq = Sequence(req.req_id, list(req.prompt_ids), req.sampling)
-        if self.limits.spec_tokens and req.sampling.processed:
-            log.info("request %d decodes without drafts: its logits are processed (a grammar, penalties or a "
-                     "logit bias), which the verify step does not apply", req.req_id)
+        self._note_no_drafts(seq)
         self._note_for_peer(req)
         fetching = (req.peer is not None and not self._peer_device_usable(seq, req)
                     and self._start_fetch(seq, req.peer))  # then the lookup: on_pd_fetched
@@ -198,7 +194,7 @@ class Scheduler(Publishing, PrefixWaiting, Speculating, PdFetching, PdPairing):
             if chunk is not None:
                 if not seq.announced:  # its pages arrived over a pair group: the ranks meet it now
                     seq.announced = True
-                    new.append(_announce(seq))
+                    new.append(seq.announcement())
                 chunks.append(chunk)
                 budget -= len(chunk.token_ids)
         while self.free_slots and budget > 0:
@@ -212,7 +208,7 @@ class Scheduler(Publishing, PrefixWaiting, Speculating, PdFetching, PdPairing):
             if chunk is None:  # admitted, its pages on their way (hkv/engine/pd_pairing.py)
                 continue
             seq.announced = True  # (one arrived, then preempted before its first chunk, is admitted again here)
-            new.append(_announce(seq))
+            new.append(seq.announcement())
             chunks.append(chunk)
             budget -= len(chunk.token_ids)
             if feeders is not None and chunk.start_pos < len(seq.prompt_ids):
@@ -592,16 +588,6 @@ def _tiers_of(seq: Sequence) -> dict[str, int]:
     if seq.cache_tiers is not None:
         return seq.cache_tiers
     return {"gpu": seq.cached_tokens or 0, "cpu": 0, "disk": 0, "peer": 0}
-
-
-def _announce(seq: Sequence) -> NewSequence:
-    """The ranks meet a sequence (again, after a preemption): with processed logits, the history those
-    start from."""
-    sampling = seq.sampling
-    if not sampling.processed:
-        return NewSequence(seq.slot, seq.req_id, sampling, seq.state_slot)
-    prompt = seq.prompt_ids if sampling.repetition_penalty != 1.0 else []
-    return NewSequence(seq.slot, seq.req_id, sampling, seq.state_slot, prompt, list(seq.output_ids))
 
 
 def _delta(seq: Sequence, tokens: list[int], reason: str | None, error: str | None = None) -> TokenDelta:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hkv.engine.tier_client import TierHit
-from hkv.ipc.messages import PeerDevice, SamplingParams
+from hkv.ipc.messages import NewSequence, PeerDevice, SamplingParams
 from hkv_kernels.gdn import GDN_CHUNK
 
 
@@ -64,6 +64,15 @@ class Sequence:
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def announcement(self) -> NewSequence:
+        """How the ranks meet it (again, after a preemption): with processed logits, the history those start
+        from (hkv/engine/logits_process.py)."""
+        sampling = self.sampling
+        if not sampling.processed:
+            return NewSequence(self.slot, self.req_id, sampling, self.state_slot)
+        prompt = self.prompt_ids if sampling.repetition_penalty != 1.0 else []
+        return NewSequence(self.slot, self.req_id, sampling, self.state_slot, prompt, list(self.output_ids))
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         prompt_len = len(self.prompt_ids)

@@ -10,12 +10,22 @@ that length publishes, and the emitted tokens are appended (docs/spec.md).
 
 from __future__ import annotations
 
+import logging
+
 from hkv.engine.sequence import Sequence
 from hkv.ipc.messages import Chunk, TokenDelta
+
+log = logging.getLogger("hkv.router")
 
 
 class Speculating:
     """Scheduler provides limits, coord, the spec counters, _append, _token_delta and _publish."""
+
+    def _note_no_drafts(self, seq: Sequence) -> None:
+        """A sequence whose logits are processed verifies no drafts (see `_drafts`): said once, when it arrives."""
+        if self.limits.spec_tokens and seq.sampling.processed:
+            log.info("request %d decodes without drafts: its logits are processed (a grammar, penalties or a "
+                     "logit bias), which the verify step does not apply", seq.req_id)
 
     def _drafts(self, seq: Sequence, budget: int) -> int:
         """How many of its proposals a decoding sequence verifies this step.
