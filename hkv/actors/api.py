@@ -50,6 +50,7 @@ from hkv.ipc.channel import Receiver, Sender
 from hkv.ipc.messages import Inbound, Outbound
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.models.tokenizer import Tokenizer, TokenizerError
+from hkv.openai.chat_constraint import constrain_chat
 from hkv.openai.chat_output import ChatOutputParser, chat_parser
 from hkv.openai.generation import ChoiceUpdate, Generation
 from hkv.openai.http_limits import BoundedSite, InFlight
@@ -63,7 +64,6 @@ from hkv.openai.protocol import (
     ModelLimits,
     Options,
     ProtocolError,
-    constrain_chat,
     decode_body,
     parse_chat,
     parse_completion,

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from hkv.ipc.messages import (
-    CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS, MAX_LOGIT_BIAS, GenerateRequest, SamplingParams, StepPlan, StepResult,
+    CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, GenerateRequest, SamplingParams, StepPlan, StepResult,
 )  # fmt: skip
 
 INT64_MAX = 2**63 - 1  # request-table req_id is int64
@@ -117,7 +117,7 @@ def _processing(s: SamplingParams, vocab_size: int) -> str | None:
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         return f"a logit_bias of {len(s.logit_bias)} tokens (at most {MAX_LOGIT_BIAS})"
     for token, bias in s.logit_bias.items():
-        if not 0 <= token < vocab_size or not _within(bias, -100.0, 100.0):
+        if not 0 <= token < vocab_size or not _within(bias, -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE):
             return f"logit_bias {token}: {bias}"
     c = s.constraint
     if c is not None and (c.kind not in CONSTRAINT_KINDS or len(c.spec) > MAX_CONSTRAINT_CHARS):

@@ -27,6 +27,7 @@ class Constraint(msgspec.Struct, frozen=True, array_like=True):
 CONSTRAINT_KINDS = ("json_schema", "regex", "lark")
 MAX_CONSTRAINT_CHARS = 65536
 MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias (OpenAI's bound)
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| of one entry (OpenAI's range)
 
 
 class SamplingParams(msgspec.Struct, frozen=True):

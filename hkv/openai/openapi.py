@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from hkv.config import HkvConfig, KeyHash
-from hkv.ipc.messages import MAX_LOGIT_BIAS
-from hkv.openai.protocol import MAX_BIAS, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOPS, ROLES, ModelLimits
+from hkv.ipc.messages import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE
+from hkv.openai.protocol import MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOPS, ROLES, ModelLimits
 from hkv.openai.structured import MAX_CHOICES, STRUCTURED_OUTPUT_FLAGS
 from hkv.openai.tokenize_api import MAX_DETOKENIZE
 from hkv.openai.tools import MAX_TOOLS
@@ -80,7 +80,7 @@ def _sampling(limits: ModelLimits) -> dict[str, Any]:
 
 def _processing(limits: ModelLimits) -> dict[str, Any]:
     """The fields that change the logits before sampling (applied in the order docs/operations.md gives)."""
-    bias = {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS}
+    bias = {"type": "number", "minimum": -MAX_LOGIT_BIAS_VALUE, "maximum": MAX_LOGIT_BIAS_VALUE}
     return {
         "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1, "description": "default 0"}),
         "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2, "description": "default 0"}),

@@ -12,8 +12,8 @@ Two stages:
    Structured output (response_format, structured_outputs, guided_*) is
    compiled here (hkv/openai/structured.py); tools are read by
    hkv/openai/tools.py.
-2. Once a chat is rendered, `constrain_chat` adds what depends on its prompt:
-   a forced tool call's grammar (hkv/openai/tool_grammar.py), or the
+2. Once a chat is rendered, `constrain_chat` (hkv/openai/chat_constraint.py)
+   adds what depends on its prompt: a forced tool call's grammar, or the
    structured output placed after the reasoning the prompt opened. Once the
    prompts are tokenized, `plan_sequences` checks token counts against the
    context length and the KV capacity and fans each prompt out into `n`
@@ -27,7 +27,6 @@ the context and the KV cache.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import re
@@ -38,10 +37,8 @@ from typing import Any
 
 import msgspec
 
-from hkv.ipc.messages import MAX_LOGIT_BIAS, Constraint, SamplingParams
-from hkv.openai.chat_output import prompt_opens_reasoning
-from hkv.openai.structured import ConstraintError, after_reasoning, check, parse_constraint
-from hkv.openai.tool_grammar import forced_call_grammar
+from hkv.ipc.messages import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, Constraint, SamplingParams
+from hkv.openai.structured import ConstraintError, parse_constraint
 from hkv.openai.tools import ChatTools, ToolError, json_chars, parse_template_kwargs, parse_tool_calls, parse_tools
 
 MAX_N = 16  # choices per prompt
@@ -52,7 +49,6 @@ MAX_LOGPROBS = 5
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SEED_MODULUS = 2**63  # seeds handed to the router lie in [0, 2**63)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 _TOKEN_KEY = re.compile(r"^(0|[1-9][0-9]{0,9})$")  # a logit_bias key: a token id in decimal
 IMAGE_PARTS = frozenset({"image_url", "image", "input_image"})
@@ -78,7 +74,7 @@ def _bad(param: str | None, message: str, code: str | None = None) -> ProtocolEr
     return ProtocolError(400, message, param, code)
 
 
-def _not_too_deep(parse: Callable) -> Callable:
+def not_too_deep(parse: Callable) -> Callable:
     """A body nested nearly as deep as the decoder allows can still overflow Python's recursion limit
     when a part of it is written out again (a schema as JSON text, tools through the template): a 400."""
 
@@ -310,9 +306,9 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     for key, number in value.items():
         if not _TOKEN_KEY.match(key) or int(key) >= vocab_size:
             raise _bad("logit_bias", f"`logit_bias` key {key!r} is not a token id in [0, {vocab_size})")
-        if type(number) not in (int, float) or not -MAX_BIAS <= number <= MAX_BIAS:
-            raise _bad("logit_bias", f"`logit_bias` value of token {key} must be a number in [-{MAX_BIAS:g}, "
-                                     f"{MAX_BIAS:g}], got {number!r}")
+        if type(number) not in (int, float) or not -MAX_LOGIT_BIAS_VALUE <= number <= MAX_LOGIT_BIAS_VALUE:
+            raise _bad("logit_bias", f"`logit_bias` value of token {key} must be a number in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                                     f"{MAX_LOGIT_BIAS_VALUE:g}], got {number!r}")
         bias[int(key)] = float(number)
     return bias
 
@@ -361,7 +357,7 @@ def _options(body: dict, limits: ModelLimits, max_tokens: int | None, logprobs: 
     )
 
 
-@_not_too_deep
+@not_too_deep
 def parse_completion(body: dict[str, Any], limits: ModelLimits) -> CompletionRequest:
     """Validate a /v1/completions body (prompt shapes, ranges, model)."""
     _check_model(body, limits)
@@ -434,7 +430,7 @@ def _id_prompt(ids: list, vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-@_not_too_deep
+@not_too_deep
 def parse_chat(body: dict[str, Any], limits: ModelLimits) -> ChatRequest:
     """Validate a /v1/chat/completions body (messages, ranges, model)."""
     _check_model(body, limits)
@@ -469,26 +465,6 @@ def _check_forced_call(options: Options) -> None:
     if options.ignore_eos:
         raise _bad("ignore_eos", "`ignore_eos` cannot go with `tool_choice` \"required\" or a named function: "
                                  "the calls end with EOS")
-
-
-@_not_too_deep
-def constrain_chat(req: ChatRequest, prompt: str, tool_parser: str | None, reasoning_parser: str | None) -> Options:
-    """The request's options with the constraint its rendered `prompt` calls for: the grammar of a forced
-    tool call (hkv/openai/tool_grammar.py), or its structured output behind the reasoning the prompt
-    opened when a reasoning parser will split that reasoning out."""
-    opened = prompt_opens_reasoning(prompt)
-    options = req.options
-    try:
-        if req.tools.choice == "required":
-            if tool_parser is None:
-                raise _bad("tool_choice", "this server reads no tool calls from answers (--tool-call-parser)")
-            grammar = forced_call_grammar(req.tools, tool_parser, opened)
-            return dataclasses.replace(options, constraint=check(Constraint("lark", grammar), "tools"))
-        if options.constraint is not None and opened and reasoning_parser is not None:
-            return dataclasses.replace(options, constraint=check(after_reasoning(options.constraint), None))
-    except (ToolError, ConstraintError) as exc:
-        raise _bad(exc.param, str(exc)) from None
-    return options
 
 
 def _messages(value: Any) -> tuple[ChatMessage, ...]:

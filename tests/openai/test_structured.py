@@ -8,7 +8,8 @@ import json
 import pytest
 
 from hkv.ipc.messages import Constraint
-from hkv.openai.protocol import ProtocolError, constrain_chat, parse_chat, parse_completion
+from hkv.openai.chat_constraint import constrain_chat
+from hkv.openai.protocol import ProtocolError, parse_chat, parse_completion
 from hkv.openai.structured import MAX_ERROR_CHARS, after_reasoning
 from tests.openai.grammar_walk import GrammarWalker, conforms
 from tests.openai.test_protocol import LIMITS

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from hkv.ipc.messages import Constraint
-from hkv.openai.protocol import ProtocolError, constrain_chat, parse_chat, parse_completion
+from hkv.openai.chat_constraint import constrain_chat
+from hkv.openai.protocol import ProtocolError, parse_chat, parse_completion
 from hkv.openai.tool_grammar import forced_call_grammar
 from tests.openai.test_protocol import LIMITS
 
