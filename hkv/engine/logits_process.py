@@ -164,10 +164,6 @@ class LogitsProcessor:
             return None
         return {s: st.req_id for s in slots if (st := self.slots.get(s)) is not None and st.matcher is not None} or None
 
-    def processed_slots(self, slots: Sequence[int]) -> list[int]:
-        """The processed sequences' slots among `slots`."""
-        return [s for s in slots if s in self.slots]
-
     def behind(self, slots: Sequence[int]) -> bool:
         """Some grammar row's matcher still waits for a token a running step samples."""
         return any(self.slots[s].behind for s in slots if s in self.slots and self.slots[s].matcher is not None)

@@ -127,9 +127,15 @@ def graph_logit_rows(cfg: HkvConfig) -> int:
 WARM_UP_LENS = (129, 64, 1)  # two prompts (the first ends in a partial GDN chunk) and a decode row
 
 
+def _warms_activations(cfg: HkvConfig) -> bool:
+    """The warm-up runs the step budget's forward too: on CUDA with --max-total-tokens (sizing the KV pool
+    from memory runs that forward otherwise)."""
+    return cfg.model.device == "cuda" and cfg.cache.num_pages is not None
+
+
 def warm_up_steps(cfg: HkvConfig) -> int:
     """The forwards `warm_up` runs (its start-up phase's parts)."""
-    return 3 if cfg.model.device == "cuda" and cfg.cache.num_pages is not None else 2
+    return 3 if _warms_activations(cfg) else 2
 
 
 def warm_up(model, cfg: HkvConfig, state, progress: Callable[[], None] | None = None) -> float:
@@ -147,7 +153,7 @@ def warm_up(model, cfg: HkvConfig, state, progress: Callable[[], None] | None = 
     progress = progress or (lambda: None)
     try:
         _warm_up_steps(model, cfg, state, scratch, progress)
-        if cfg.model.device == "cuda" and cfg.cache.num_pages is not None:
+        if _warms_activations(cfg):
             _activation_peak(model, cfg, state)  # (sizing from memory runs it next anyway)
             progress()
     finally:

@@ -128,7 +128,8 @@ class SpecDecoder:
         if any(c.follows for c in chunks):
             raise ValueError("a drafting rank got a chunk planned ahead of its result (Chunk.follows)")
         # rows with bias, penalties or a grammar run eagerly: their logits are processed on the way to sampling
-        processed = set(self.runner.processor.processed_slots([c.slot for c in chunks if c.sample]))
+        sampling = [c.slot for c in chunks if c.sample]
+        processed = {sampling[i] for i in self.runner.processor.rows(sampling)}
         graphed = self.graphs.take([c for c in chunks if c.slot not in processed]) if self.graphs is not None else []
         drafted: dict[int, list[int]] = {}  # slot -> proposals drafted in a graph
         out: dict[int, tuple[list, list[int], torch.Tensor]] = {}  # slot -> (emitted, committed tokens, hidden)
