@@ -18,9 +18,11 @@ start() {  # start NAME [flags...]: a server on $PORT, waits for /ready; ROOT=di
     'from hkv.launcher import main; main()' --model "$MODEL" --device "${DEVICE:-cuda}" --port "$PORT" \
     --name "$name" "$@" >"/tmp/$name.out" 2>"/tmp/$name.err") &
   SERVER_PID=$!
+  local t0=$SECONDS
   for _ in $(seq 1 "${START_WAIT:-600}"); do  # a cold GPU compiles and autotunes at start-up
     curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && { grep -h "KV pool\|CUDA graphs\|prefill graphs\|serving\|loaded" \
-      "/tmp/$name.err" "/tmp/$name.out" | cut -c1-220 | tee -a "$LOG"; return 0; }
+      "/tmp/$name.err" "/tmp/$name.out" | cut -c1-220 | tee -a "$LOG"
+      echo "== server $name ready in $((SECONDS - t0)) s" | tee -a "$LOG"; return 0; }
     kill -0 "$SERVER_PID" 2>/dev/null || break
     sleep 0.5
   done

@@ -26,5 +26,7 @@ start s_structured --max-running-requests 64 && {
     --json "$OUT/structured.json" 2>&1 | tee -a "$LOG"
   grep -h "structured output\|grammar\|without drafts" /tmp/s_structured.err | head -5 | tee -a "$LOG"
   stop
+  say "second start of the same server (warm compile cache: issue 38's restart time)"
+  start s_structured --max-running-requests 64 && stop
 }
 exit 0
