@@ -25,6 +25,13 @@ embeddings, vocab 151,936), experts in the published per-expert layout
 (`mlp.experts.{e}.{gate,up,down}_proj.weight`). Its layer count is a flag (default 4: 3 GDN + 1
 attention, 7.21 B parameters, 14.4 GB in bf16); it has no MTP layer. --experts,
 --experts-per-token, --moe-intermediate-size and --shared-expert-intermediate-size shrink it for tests.
+
+    python -m tools.bench.make_bench_model OUT_DIR --preset qwen3.5-27b
+
+`--preset qwen3.5-27b` writes the large-layer benchmark model: `qwen3_5_text` with Qwen3.5-27B's layer
+shapes and 16 layers (12 GDN + 4 gated attention): hidden 5120, MLP 17408, 24 query / 4 KV heads of 256,
+GDN 16 key / 48 value heads of 128, vocab 248,320, untied embeddings, one MTP layer; 8.63 B parameters
+(17.3 GB in bf16) besides the MTP layer's. The shrinking flags apply to it as to the default model.
 """
 
 from __future__ import annotations
@@ -51,6 +58,12 @@ DEFAULTS = dict(layers=24, hidden_size=2048, intermediate_size=6144, vocab_size=
 # --moe: Qwen3-Next-80B-A3B's shapes, 4 layers (intermediate_size is its dense MLP's, unused: every layer is sparse)
 MOE_DEFAULTS = dict(layers=4, hidden_size=2048, intermediate_size=5120, vocab_size=151_936, experts=512,
                     experts_per_token=10, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+# --preset: (DEFAULTS overrides, config.json overrides) of a named shape
+PRESETS = {
+    "qwen3.5-27b": (dict(layers=16, hidden_size=5120, intermediate_size=17_408, vocab_size=248_320),
+                    {"num_attention_heads": 24, "num_key_value_heads": 4, "linear_num_value_heads": 48,
+                     "tie_word_embeddings": False}),
+}
 STD = 0.02  # projections and embeddings, transformers' initializer_range
 BYTES_PER_PARAM = 2  # bf16
 
@@ -62,9 +75,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def bench_config(layers: int, hidden_size: int, intermediate_size: int, vocab_size: int,
-                 eot: int, im_end: int) -> dict:
-    """config.json of the benchmark model (the full-size one with DEFAULTS)."""
-    return qwen3_5_text_config(vocab_size, eot, im_end, **{
+                 eot: int, im_end: int, overrides: dict | None = None) -> dict:
+    """config.json of the benchmark model (the full-size one with DEFAULTS); overrides: a preset's keys."""
+    config = qwen3_5_text_config(vocab_size, eot, im_end, **{
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
         "num_hidden_layers": layers,
@@ -86,6 +99,7 @@ def bench_config(layers: int, hidden_size: int, intermediate_size: int, vocab_si
         "initializer_range": STD,
         "mtp_num_hidden_layers": 1,  # one MTP layer (mtp.*), as released Qwen3.5 checkpoints have: --spec-tokens
     })
+    return {**config, **(overrides or {})}
 
 
 def moe_bench_config(layers: int, hidden_size: int, intermediate_size: int, vocab_size: int, experts: int,
@@ -285,9 +299,11 @@ def load_tokenizer(path: Path | None) -> Tokenizer:
 
 
 def write_bench_model(out_dir: Path, seed: int = 0, shard_gb: float = 2.0, progress: bool = True,
-                      moe: bool = False, tokenizer: Path | None = None, **dims: int) -> dict:
-    """Write the benchmark model (moe: the MoE one) into out_dir (created; must be empty); dims override
-    DEFAULTS (MOE_DEFAULTS); tokenizer: a tokenizer.json to ship instead of the built-in one. Returns its config."""
+                      moe: bool = False, tokenizer: Path | None = None, preset: str | None = None,
+                      **dims: int) -> dict:
+    """Write the benchmark model (moe: the MoE one; preset: a PRESETS shape) into out_dir (created; must be
+    empty); dims override DEFAULTS (MOE_DEFAULTS, the preset's); tokenizer: a tokenizer.json to ship instead of
+    the built-in one. Returns its config."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} is not empty")
@@ -296,7 +312,8 @@ def write_bench_model(out_dir: Path, seed: int = 0, shard_gb: float = 2.0, progr
     if moe:
         config = moe_bench_config(**{**MOE_DEFAULTS, **dims}, eot=eot, im_end=im_end)
     else:
-        config = bench_config(**{**DEFAULTS, **dims}, eot=eot, im_end=im_end)
+        preset_dims, overrides = PRESETS[preset] if preset else ({}, {})
+        config = bench_config(**{**DEFAULTS, **preset_dims, **dims}, eot=eot, im_end=im_end, overrides=overrides)
     if config["vocab_size"] < tok.get_vocab_size(with_added_tokens=True):
         raise ValueError(f"vocab_size {config['vocab_size']} is below the tokenizer's "
                          f"{tok.get_vocab_size(with_added_tokens=True)} tokens")
@@ -322,13 +339,18 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
                        help=f"{key.replace('_', ' ')}; smaller only for tests{'' if dense else ' (--moe)'} "
                             f"(default: {default})")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a named shape instead of the 1.99 B model: qwen3.5-27b is Qwen3.5-27B's layers, 16 of "
+                        "them (default: none)")
     p.add_argument("--shard-gb", type=float, default=2.0, help="safetensors shard size in GB (default: 2.0)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer.json (with <|endoftext|>, <|im_start|>, <|im_end|>) to ship instead of the "
                         "built-in 4,096-token one; the vocabulary must fit --vocab-size (default: the built-in one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (default: shown)")
     args = p.parse_args(argv)
-    defaults = MOE_DEFAULTS if args.moe else DEFAULTS
+    if args.moe and args.preset:
+        p.error("--preset and --moe are two different models: give one")
+    defaults = MOE_DEFAULTS if args.moe else {**DEFAULTS, **(PRESETS[args.preset][0] if args.preset else {})}
     given = {key for key in MOE_DEFAULTS if getattr(args, key) is not None}
     if not args.moe and given - set(DEFAULTS):
         p.error(f"--{sorted(given - set(DEFAULTS))[0].replace('_', '-')} needs --moe")
@@ -339,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--experts-per-token {dims['experts_per_token']} exceeds --experts {dims['experts']}")
     try:
         config = write_bench_model(args.out_dir, args.seed, args.shard_gb, not args.no_progress, args.moe,
-                                   args.tokenizer, **dims)
+                                   args.tokenizer, args.preset, **dims)
     except (FileExistsError, ValueError) as exc:
         p.error(str(exc))
     count = parameter_count(config)

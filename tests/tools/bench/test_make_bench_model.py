@@ -13,7 +13,7 @@ from safetensors import safe_open
 from hkv.models.loader import load_model
 from tests.models.test_qwen3_5 import TOL, ragged_parity
 from tools.bench.make_bench_model import (
-    DEFAULTS, MOE_DEFAULTS, bench_config, main, make_tensor, moe_bench_config, parameter_count, tensor_specs,
+    DEFAULTS, MOE_DEFAULTS, PRESETS, bench_config, main, make_tensor, moe_bench_config, parameter_count, tensor_specs,
 )
 
 SMALL = ["--layers", "4", "--hidden-size", "64", "--intermediate-size", "128", "--vocab-size", "2048"]
@@ -139,3 +139,25 @@ def test_ships_a_given_tokenizer_and_refuses_one_without_the_special_tokens(tmp_
         main([str(tmp_path / "n"), *tiny, "--tokenizer", str(tmp_path / "bare.json")])
     assert exc.value.code == 2
     assert f"lacks the special tokens {list(SPECIAL_TOKENS)}" in capsys.readouterr().err
+
+
+def test_qwen3_5_27b_preset_layout():
+    """--preset qwen3.5-27b: Qwen3.5-27B's layer shapes, 16 layers, 17.3 GB in bf16 (issue 38's large layers)."""
+    dims, overrides = PRESETS["qwen3.5-27b"]
+    cfg = bench_config(**{**DEFAULTS, **dims}, eot=0, im_end=2, overrides=overrides)
+    assert parameter_count(cfg) == 8_631_101_056
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (24, 4, 256)
+    assert (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]) == (16, 48, 128)
+    assert cfg["layer_types"].count("full_attention") == 4 and not cfg["tie_word_embeddings"]
+    assert "lm_head.weight" in {s.name for s in tensor_specs(cfg)}
+
+
+def test_preset_shrunk_loads_alike_in_hkv_and_transformers(tmp_path, capsys):
+    """The preset's head layout (24 / 4 query / KV heads, 48 GDN value heads) at a test's width."""
+    folder = tmp_path / "p"
+    assert main([str(folder), "--preset", "qwen3.5-27b", *SMALL, "--no-progress"]) == 0
+    assert json.loads((folder / "config.json").read_text())["linear_num_value_heads"] == 48
+    _loads_alike(folder, tf.Qwen3_5ForCausalLM)
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "q"), "--preset", "qwen3.5-27b", "--moe"])
+    assert exc.value.code == 2 and "--preset and --moe" in capsys.readouterr().err
