@@ -8,7 +8,8 @@ prints the step time, the memory roofline of the step (weights + KV read + fp32
 recurrent state read and written, at the measured copy bandwidth) and the ratio,
 and, with --profile, kernels per step and GPU busy time against wall time.
 
-    python -m tools.bench.bench_decode [--batches 1,32,64] [--context 576] [--json out.json] [--profile] [--moe]
+    python -m tools.bench.bench_decode [--batches 1,32,64] [--context 576] [--json out.json] [--profile]
+                                       [--moe | --preset qwen3.5-27b]
 
 --moe builds the MoE benchmark model's architecture instead (tools/bench/make_bench_model.py --moe: Qwen3-Next-80B's
 layer shapes, 4 layers); its roofline counts only the experts a batch touches (tools/bench/moe_roofline.py).
@@ -72,6 +73,16 @@ def moe_config() -> dict:
     from tools.bench.make_bench_model import MOE_DEFAULTS, moe_bench_config
 
     return moe_bench_config(**MOE_DEFAULTS, eot=0, im_end=2)
+
+
+def preset_config(name: str) -> dict:
+    """config.json of a make_bench_model --preset shape (its MTP layer left out: the step does not read it)."""
+    from tools.bench.make_bench_model import DEFAULTS, PRESETS, bench_config
+
+    dims, overrides = PRESETS[name]
+    config = bench_config(**{**DEFAULTS, **dims}, eot=0, im_end=2, overrides=overrides)
+    config.pop("mtp_num_hidden_layers")
+    return config
 
 
 def roofline_ms(model, batch: int, context: int, bandwidth: float) -> float:
@@ -214,14 +225,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time prefill steps: decodes plus one 128-token prompt, and B prompts of 128 "
                              "tokens after a cached prefix (as the cost model picks, then eager)")
     parser.add_argument("--moe", action="store_true", help="the MoE benchmark model's architecture instead")
+    from tools.bench.make_bench_model import PRESETS
+
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="a make_bench_model --preset shape instead (qwen3.5-27b: Qwen3.5-27B's layers, 16)")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
+    if args.moe and args.preset:
+        parser.error("--moe and --preset are two different models: give one")
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA device", file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batches.split(",")]
     bw = copy_bandwidth()
-    model = build_model(moe_config() if args.moe else BENCH_CONFIG)
+    model = build_model(moe_config() if args.moe else preset_config(args.preset) if args.preset else BENCH_CONFIG)
     params = sum(p.numel() for p in model.parameters())
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s; model {params / 1e9:.2f} B params",
           flush=True)

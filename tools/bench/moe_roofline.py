@@ -1,4 +1,4 @@
-"""The decode step's memory roofline of an MoE checkpoint, and served hkv-bench results against it.
+"""The decode step's memory roofline of a checkpoint (MoE or dense), and served hkv-bench results against it.
 
     python -m tools.bench.moe_roofline --model DIR [--context 576] [--bandwidth-gbs 4200 | --measure]
                                  [--batches 1,32,64] [--results c1=a.json c32=b.json ...] [--json out.json]
@@ -58,14 +58,14 @@ def touched_experts(num_experts: int, top_k: int, batch: int) -> float:
 def roofline_bytes(config: dict, other: int, experts: int, batch: int, context: int) -> float:
     """The decode step's least bytes at batch `batch` (bf16 weights and K/V, fp32 states)."""
     text = config.get("text_config") or config
-    num_experts, top_k = text["num_experts"], text["num_experts_per_tok"]
+    num_experts, top_k = text.get("num_experts", 0), text.get("num_experts_per_tok", 0)
     types = text["layer_types"]
     full, linear = types.count("full_attention"), types.count("linear_attention")
     kv = batch * context * full * 2 * text["num_key_value_heads"] * text["head_dim"] * 2
     hv, dk, dv = text["linear_num_value_heads"], text["linear_key_head_dim"], text["linear_value_head_dim"]
     conv_dim = 2 * text["linear_num_key_heads"] * dk + hv * dv
     state = linear * (hv * dk * dv + conv_dim * (text["linear_conv_kernel_dim"] - 1)) * 4
-    touched = touched_experts(num_experts, top_k, batch) / num_experts * experts
+    touched = touched_experts(num_experts, top_k, batch) / num_experts * experts if num_experts else 0
     return other + touched + kv + 2 * batch * state
 
 
@@ -87,7 +87,7 @@ def _served(path: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="python -m tools.bench.moe_roofline", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True, help="the MoE checkpoint folder")
+    p.add_argument("--model", type=Path, required=True, help="the checkpoint folder (MoE or dense)")
     p.add_argument("--context", type=int, default=576, help="tokens of K/V each sequence reads (default: 576)")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="copy bandwidth in GB/s (default: --measure)")
     p.add_argument("--measure", action="store_true", help="measure the copy bandwidth on this machine's GPU")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                    for label, _, path in (r.partition("=") for r in args.results)}
     except (OSError, ValueError, KeyError) as exc:
         p.error(str(exc))
-    if not experts:
+    if not experts and (config.get("text_config") or config).get("num_experts"):
         p.error(f"{args.model}: no routed expert weights")
     bandwidth = args.bandwidth_gbs or measure_bandwidth()
     rows = []

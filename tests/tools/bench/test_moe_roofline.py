@@ -46,10 +46,17 @@ def test_served_results_against_the_roofline(tmp_path, capsys):
     assert "25.0x HF" in capsys.readouterr().out
 
 
-def test_a_dense_checkpoint_is_refused(tmp_path, capsys):
+def test_a_dense_checkpoint_counts_every_weight(tmp_path, capsys):
+    """A dense model's roofline (issue 38's large layers): all weights, K/V and states, no expert term."""
     folder = tmp_path / "dense"
-    assert make_model([str(folder), "--layers", "1", "--hidden-size", "8", "--intermediate-size", "8",
+    assert make_model([str(folder), "--layers", "4", "--hidden-size", "8", "--intermediate-size", "8",
                        "--vocab-size", "1536", "--no-progress"]) == 0
-    with pytest.raises(SystemExit) as exc:
-        main(["--model", str(folder), "--bandwidth-gbs", "1"])
-    assert exc.value.code == 2 and "no routed expert weights" in capsys.readouterr().err
+    other, experts = weight_bytes(folder)
+    assert experts == 0 and other > 0
+    config = json.loads((folder / "config.json").read_text())
+    one, two = (roofline_bytes(config, other, 0, b, 576) for b in (1, 2))
+    kv = 576 * 1 * 2 * 2 * 256 * 2  # one full-attention layer, 2 KV heads of 256, bf16
+    state = 3 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 4  # three GDN layers' fp32 states
+    assert one == other + kv + 2 * state and two - one == kv + 2 * state
+    assert main(["--model", str(folder), "--bandwidth-gbs", "1"]) == 0
+    assert "B64" in capsys.readouterr().out

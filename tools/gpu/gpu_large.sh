@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One device call for issue 38's large layers on one GPU: the model with Qwen3.5-27B's layer shapes
+# (tools/bench/make_bench_model.py --preset qwen3.5-27b: 16 layers, 17.3 GB bf16), in-process decode steps at
+# B = 1, 32, 64 with the profiler's top kernels, and its served numbers (a real hkv-launch server driven by
+# hkv-bench at concurrency 1, 32 and 64, against the memory roofline measured on the same card).
+#   run: bash tools/gpu/gpu_large.sh [parts: decode,served; default both]   (carry .whl: fla-core, serving wheels)
+# Results: $OUT/large_*.json and $OUT/gpu_large.log.
+set -uo pipefail
+source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
+parts=${1:-decode,served}
+MODEL=${LARGE_MODEL:-/tmp/large_model}
+LOG="$OUT/gpu_large.log"
+PORT=8100
+SERVER_PID=
+wants() { [[ ,$parts, == *,$1,* ]]; }
+say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
+if wants decode; then
+  say "in-process decode step of the qwen3.5-27b preset (random weights on the GPU), profiled"
+  timeout 400 python3 -m tools.bench.bench_decode --preset qwen3.5-27b --profile --iters 30 \
+    --json "$OUT/large_decode.json" 2>&1 | grep -v Warning | tee -a "$LOG"
+  python3 - "$OUT/large_decode.json" <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys
+for row in json.load(open(sys.argv[1]))["rows"]:
+    prof = row.get("profile")
+    if prof and row["graphs"]:
+        print(f"B{row['batch']}: GPU busy {prof['gpu_busy_ms']:.3f} ms of {prof['wall_ms']:.3f}; top kernels:")
+        for name, ms in prof["top"][:10]:
+            print(f"   {ms:8.3f} ms  {name[:150]}")
+PY
+fi
+if wants served; then
+  if [[ ! -d $MODEL ]]; then
+    say "writing the qwen3.5-27b preset model (17.3 GB)"
+    timeout 400 python3 -m tools.bench.make_bench_model "$MODEL" --preset qwen3.5-27b --no-progress 2>&1 | tail -2 \
+      | tee -a "$LOG"
+  fi
+  say "server: the qwen3.5-27b preset, bf16, 64 running"
+  start s_large --max-running-requests 64 --gpu-memory-fraction "${GPU_FRACTION:-0.8}" && {
+    results=()
+    for c in 1 32 64; do
+      n=$((c == 1 ? 4 : 2 * c))
+      timeout 300 python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --no-progress \
+        --json "$OUT/large_c$c.json" --workload random --input-len 512 --range-ratio 1 --output-len 128 \
+        --num-prompts $n --concurrency $c --warmup 2 2>&1 | tail -22 | sed "s/^/[c$c] /" | tee -a "$LOG"
+      results+=("c$c=$OUT/large_c$c.json")
+    done
+    stop
+    say "served decode against the roofline (every weight, K/V of 576, states read and written)"
+    python3 -m tools.bench.moe_roofline --model "$MODEL" --measure --results "${results[@]}" \
+      --json "$OUT/large_roofline.json" 2>&1 | grep -v Warning | tee -a "$LOG"
+  }
+fi
+[[ -n $SERVER_PID ]] && kill -TERM "$SERVER_PID" 2>/dev/null
+exit 0
