@@ -16,12 +16,13 @@ from hkv_kernels.meta import CheckpointMeta, KernelMeta
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
-    scale: float, gate: torch.Tensor | None = None,
+    scale: float, gate: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Each sequence's new queries over its paged K/V, causal among the new tokens.
 
     q: [T, Hq, D]; k_cache, v_cache: [P, page_size, Hkv, D] one storage layer (the new tokens'
-    K/V already written); page_table: [R, max_pages], sequence b reads row meta.table_rows[b];
+    K/V already written; FP8 caches are read as fp8 * kv_scales, the layer's (K, V) scales);
+    page_table: [R, max_pages], sequence b reads row meta.table_rows[b];
     gate: optional [T, Hq, D], then the result is out * sigmoid(gate).
     Returns [T, Hq, D] in q's dtype.
     """
@@ -29,7 +30,8 @@ def paged_attention(
         from hkv_kernels.paged_attention.reference import paged_attention_ref
 
         rows = page_table.index_select(0, meta.table_rows)
-        out = paged_attention_ref(q, k_cache, v_cache, rows, meta.q_len.tolist(), meta.kv_len.tolist(), scale)
+        out = paged_attention_ref(q, k_cache, v_cache, rows, meta.q_len.tolist(), meta.kv_len.tolist(), scale,
+                                  kv_scales)
         if gate is None:
             return out
         # on flattened rows, as the models always computed it (sigmoid of a strided view rounds
@@ -38,7 +40,7 @@ def paged_attention(
         return (out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))).view(out.shape)
     from hkv_kernels.paged_attention.triton_paged_attention import paged_attention as paged_attention_triton
 
-    return paged_attention_triton(q, k_cache, v_cache, page_table, meta, scale, gate=gate)
+    return paged_attention_triton(q, k_cache, v_cache, page_table, meta, scale, gate=gate, kv_scales=kv_scales)
 
 
 def causal_conv1d(
@@ -164,8 +166,10 @@ def attention_prep(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     positions: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, plus_one: bool,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
-    """Per-head q/k RMSNorm and rope, K/V written into one storage layer's cache at the slots.
+    """Per-head q/k RMSNorm and rope, K/V written into one storage layer's cache at the slots
+    (FP8 caches: stored as fp8(x / scale) with kv_scales, the layer's (K, V) scales).
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; cos, sin: per token [T, rot] on CPU, the rotary's
     [max_pos, rot] tables on CUDA (indexed by positions [T]). Returns q rotated: [T, Hq, D].
@@ -173,11 +177,12 @@ def attention_prep(
     if not q.is_cuda:
         from hkv_kernels.rope.reference import attention_prep_ref
 
-        return attention_prep_ref(q, k, v, cos, sin, q_norm, k_norm, eps, plus_one, k_cache, v_cache, slot_mapping)
+        return attention_prep_ref(q, k, v, cos, sin, q_norm, k_norm, eps, plus_one, k_cache, v_cache, slot_mapping,
+                                  kv_scales)
     from hkv_kernels.rope.triton_rope import attention_prep as attention_prep_triton
 
     return attention_prep_triton(q, k, v, cos, sin, positions, q_norm, k_norm, eps, plus_one,
-                                 k_cache, v_cache, slot_mapping)
+                                 k_cache, v_cache, slot_mapping, kv_scales=kv_scales)
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:

@@ -9,15 +9,24 @@ one sequence; a flat slot addresses one token position in one page:
 
 The router owns which page belongs to whom; the pool only reads and writes by
 slot or page id. `write` and `gather` are the pure-torch CPU reference paths.
+
+FP8 pages (`--kv-cache-dtype fp8_e4m3`, dtype float8_e4m3fn): each storage layer has a K and a
+V scale (1.0 unless the checkpoint gives one); a value x is stored as fp8(x / scale), saturated
+at +-448, and read as fp8 * scale in the attention's dtype (hkv_kernels/kv_quant.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from hkv_kernels.kv_quant import store_rows
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float8_e4m3fn": torch.float8_e4m3fn}
+FP8_DTYPE = "float8_e4m3fn"  # the KV dtype --kv-cache-dtype fp8_e4m3 resolves to
 
 
 @dataclass(frozen=True)
@@ -29,7 +38,7 @@ class KVLayout:
     page_size: int  # token positions per page
     kv_heads: int
     head_dim: int
-    dtype: str  # float32 | bfloat16 | float16
+    dtype: str  # float32 | bfloat16 | float16 | float8_e4m3fn
     device: str  # cpu | cuda | cuda:N
     layer_ids: tuple[int, ...] = ()  # model layer index of each storage layer, in order; () = 0..num_layers-1
 
@@ -60,9 +69,26 @@ class KVLayout:
 class KVPool:
     """The K and V tensors of all pages, allocated zeroed."""
 
-    def __init__(self, layout: KVLayout, layer_map: dict[int, int] | None = None) -> None:
-        """Zeroed K/V; `layer_map` (model layer -> storage layer) defaults to the one layout.layer_ids implies."""
+    def __init__(self, layout: KVLayout, layer_map: dict[int, int] | None = None,
+                 attn_dtype: torch.dtype | None = None, scales: dict[int, tuple[float, float]] | None = None) -> None:
+        """Zeroed K/V; `layer_map` (model layer -> storage layer) defaults to the one layout.layer_ids implies.
+
+        attn_dtype: the dtype attention computes in (the model's; default the pool's, bfloat16 for FP8);
+        scales: storage layer -> (K scale, V scale) of FP8 pages, 1.0 for a layer not given.
+        """
         self.layout: KVLayout = layout
+        fp8 = layout.dtype == FP8_DTYPE
+        self.attn_dtype: torch.dtype = attn_dtype or (torch.bfloat16 if fp8 else layout.torch_dtype)
+        scales = scales or {}
+        for layer, (k_scale, v_scale) in scales.items():
+            if not 0 <= layer < layout.num_layers or not (k_scale > 0 and v_scale > 0 and math.isfinite(k_scale * v_scale)):
+                raise ValueError(f"KV scales of storage layer {layer} must be finite and positive, got "
+                                 f"{(k_scale, v_scale)}")
+            if not fp8 and (k_scale, v_scale) != (1.0, 1.0):
+                raise ValueError(f"KV scales apply to FP8 pages only, the pool is {layout.dtype}")
+        # per storage layer: x is stored as fp8(x / scale) and read as fp8 * scale
+        self.k_scale: list[float] = [float(scales.get(i, (1.0, 1.0))[0]) for i in range(layout.num_layers)]
+        self.v_scale: list[float] = [float(scales.get(i, (1.0, 1.0))[1]) for i in range(layout.num_layers)]
         dtype, device = layout.torch_dtype, torch.device(layout.device)
         # K and V in one allocation: [2, L, N, P, H, D], so a page copy moves both in one launch
         self.kv: torch.Tensor = torch.zeros((2, *layout.shape), dtype=dtype, device=device)
@@ -93,6 +119,15 @@ class KVPool:
     def num_slots(self) -> int:
         return self.layout.num_pages * self.layout.page_size
 
+    @property
+    def fp8(self) -> bool:
+        return self.layout.dtype == FP8_DTYPE
+
+    def scales(self, layer: int) -> tuple[float, float]:
+        """(K scale, V scale) of model layer `layer`'s pages."""
+        s = self._storage(layer)
+        return self.k_scale[s], self.v_scale[s]
+
     def _storage(self, layer: int) -> int:
         if layer not in self.layer_map:
             raise KeyError(f"model layer {layer} has no KV storage (not a full-attention layer)")
@@ -101,7 +136,7 @@ class KVPool:
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of new tokens of model layer `layer` at their flat slots.
 
-        slot_mapping: [T] int64 flat slots; k, v: [T, kv_heads, head_dim] (cast to the pool dtype).
+        slot_mapping: [T] int64 flat slots; k, v: [T, kv_heads, head_dim] (cast, or quantized, to the pool dtype).
         Mutates only the T addressed slots of that layer; slots must be distinct.
         """
         s = self._storage(layer)
@@ -109,8 +144,8 @@ class KVPool:
         # [pages * page_size, kv_heads, head_dim] views share storage with the pool
         k_flat = self.k[s].view(-1, lay.kv_heads, lay.head_dim)
         v_flat = self.v[s].view(-1, lay.kv_heads, lay.head_dim)
-        k_flat.index_copy_(0, slot_mapping, k.to(lay.torch_dtype))
-        v_flat.index_copy_(0, slot_mapping, v.to(lay.torch_dtype))
+        store_rows(k_flat, slot_mapping, k, self.k_scale[s])
+        store_rows(v_flat, slot_mapping, v, self.v_scale[s])
 
     def gather(self, layer: int, page_row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of positions [0, length) of one sequence, read through its page-table row.
@@ -118,7 +153,7 @@ class KVPool:
             page_row:  p0 p1 p2 ...          (only the first ceil(length / page_size) are read)
             positions: [p0: 0..ps-1][p1: ps..2ps-1][p2: 2ps..length-1]
 
-        Returns k, v: [length, kv_heads, head_dim] (copies; the pool is not mutated).
+        Returns k, v: [length, kv_heads, head_dim] as stored (copies; the pool is not mutated).
         """
         s = self._storage(layer)
         lay = self.layout

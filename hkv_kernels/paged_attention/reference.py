@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hkv_kernels.kv_quant import dequantize
+
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one sequence's n new queries over its L cached keys (the new ones last).
@@ -44,11 +46,13 @@ def paged_attention_ref(
     q_lens: list[int],
     kv_lens: list[int],
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Each sequence's new queries over its paged K/V, causal among the new tokens.
 
     q: [T, Hq, D] new tokens of all sequences in order; k_cache, v_cache:
-    [P, page_size, Hkv, D] one storage layer (new tokens' K/V already written);
+    [P, page_size, Hkv, D] one storage layer (new tokens' K/V already written); FP8 caches are
+    read as fp8 * kv_scales (K, V) in q's dtype (hkv_kernels/kv_quant.py);
     page_table: [B, max_pages] int; q_lens, kv_lens: [B] (kv_len counts cached + new).
     Returns [T, Hq, D] in q's dtype.
     """
@@ -58,8 +62,8 @@ def paged_attention_ref(
         if n == 0:
             continue
         pages = page_table[b, : -(-kv_len // page_size)].long()
-        k = k_cache.index_select(0, pages).flatten(0, 1)[:kv_len]  # [L, Hkv, D]
-        v = v_cache.index_select(0, pages).flatten(0, 1)[:kv_len]  # [L, Hkv, D]
+        k = dequantize(k_cache.index_select(0, pages).flatten(0, 1)[:kv_len], q.dtype, kv_scales[0])  # [L, Hkv, D]
+        v = dequantize(v_cache.index_select(0, pages).flatten(0, 1)[:kv_len], q.dtype, kv_scales[1])  # [L, Hkv, D]
         out[start : start + n] = attend(q[start : start + n], k, v, scale)
         start += n
     return out

@@ -4,7 +4,8 @@ One program owns a tile of BLOCK_M rows = (query token, query head of one KV
 head's group) pairs, so a decode step (one token, G heads) and a prefill chunk
 (many tokens) run the same code and every K/V block read serves the whole
 group. Keys are gathered through the page table one block of BLOCK_N
-positions at a time with an online softmax (exp2 form).
+positions at a time with an online softmax (exp2 form). FP8 pages are read as fp8 * scale in the
+query's dtype, block by block (hkv_kernels/kv_quant.py), so the dots run as they do on bf16 pages.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from hkv_kernels.common import dot_precision
+from hkv_kernels.fp8 import from_cache
 from hkv_kernels.meta import KernelMeta, next_pow2
 
 _LOG2E = 1.4426950408889634
@@ -22,8 +24,8 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attn_block(
     acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, kv_end, q_pos, k_head_off, v_head_off, d, d_mask,
-    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
-    MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, k_scale, v_scale,
+    MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     j = start + tl.arange(0, BLOCK_N)  # [N] key positions
     j_mask = j < kv_end
@@ -32,6 +34,8 @@ def _attn_block(
     kv_mask = j_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + k_head_off)[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + (page * stride_vp + off * stride_vs + v_head_off)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k = from_cache(k, k_scale, q.dtype, FP8)
+    v = from_cache(v, v_scale, q.dtype, FP8)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
     if MASKED:
         s = tl.where(j_mask[None, :] & (j[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -50,10 +54,10 @@ def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, gate_ptr, page_table_ptr, table_row_ptr, q_start_ptr, q_len_ptr, kv_len_ptr,
     block_seq_ptr, block_tok_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_gt, stride_gh, stride_pt, qk_scale, num_blocks,
+    stride_ot, stride_oh, stride_gt, stride_gh, stride_pt, qk_scale, num_blocks, k_scale, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    GATE: tl.constexpr,
+    GATE: tl.constexpr, FP8: tl.constexpr,
 ):
     # last token blocks (the longest causal spans) first, so the tail of the grid is short work
     blk = num_blocks - 1 - tl.program_id(0)
@@ -86,14 +90,14 @@ def _paged_attention_kernel(
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, kv_end, q_pos, k_head_off, v_head_off,
-            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
-            False, PAGE_SIZE, BLOCK_N, PRECISION,
+            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, k_scale, v_scale,
+            False, PAGE_SIZE, BLOCK_N, PRECISION, FP8,
         )
     for start in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, kv_end, q_pos, k_head_off, v_head_off,
-            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale,
-            True, PAGE_SIZE, BLOCK_N, PRECISION,
+            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, k_scale, v_scale,
+            True, PAGE_SIZE, BLOCK_N, PRECISION, FP8,
         )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
@@ -111,9 +115,10 @@ def _paged_attention_kernel(
 def _paged_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, part_o_ptr, part_ml_ptr, page_table_ptr, table_row_ptr, q_start_ptr, kv_len_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt, qk_scale,
-    num_seqs, q_heads,
+    num_seqs, q_heads, k_scale, v_scale,
     SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Decode (one query per sequence): split `split` of the sequence's keys, partial softmax state out."""
     seq = tl.program_id(0)
@@ -140,12 +145,14 @@ def _paged_decode_split_kernel(
     for start in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, hi, q_pos, kv_head * stride_kh, kv_head * stride_vh,
-            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, False, PAGE_SIZE, BLOCK_N, PRECISION,
+            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, k_scale, v_scale, False, PAGE_SIZE,
+            BLOCK_N, PRECISION, FP8,
         )
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, hi, q_pos, kv_head * stride_kh, kv_head * stride_vh,
-            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, True, PAGE_SIZE, BLOCK_N, PRECISION,
+            d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, k_scale, v_scale, True, PAGE_SIZE,
+            BLOCK_N, PRECISION, FP8,
         )
     # partials laid out [seq, split, q head, ...]; an empty split leaves m = -1e30, l = 0
     part = (seq.to(tl.int64) * SPLITS + split) * q_heads + head  # [BM]
@@ -185,6 +192,13 @@ def _paged_decode_reduce_kernel(
     tl.store(o_ptr + q_row * stride_ot + head * stride_oh + d, out, mask=d_mask)
 
 
+def _fp8(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The caches hold FP8 pages (both or neither)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert fp8 == (v_cache.dtype == torch.float8_e4m3fn), "K and V caches of one dtype"
+    return fp8
+
+
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -207,6 +221,7 @@ def launch_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
     scale: float, out: torch.Tensor, gate: torch.Tensor | None = None, block_n: int | None = None,
     splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Decode launcher (every sequence has one new token): keys split across programs, then reduced.
 
@@ -230,9 +245,10 @@ def launch_paged_decode(
         q, k_cache, v_cache, part_o, part_ml, page_table, meta.table_rows, meta.q_start, meta.kv_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0), scale * _LOG2E,
-        num_seqs, num_q_heads,
+        num_seqs, num_q_heads, float(kv_scales[0]), float(kv_scales[1]),
         SPLITS=splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), FP8=_fp8(k_cache, v_cache),
+        num_warps=num_warps, num_stages=num_stages,
     )
     gated = gate is not None
     _paged_decode_reduce_kernel[(num_seqs, num_q_heads)](
@@ -246,6 +262,7 @@ def launch_paged_decode(
 def launch_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
     scale: float, out: torch.Tensor, gate: torch.Tensor | None = None, tile: tuple[int, int, int, int] | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Launcher over the step's precomputed metadata (its block grid matches meta.attn_tile);
     writes `out`. tile: (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the rest of the tile
@@ -270,10 +287,10 @@ def launch_paged_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), gate.stride(0) if gated else 0, gate.stride(1) if gated else 0,
-        page_table.stride(0), scale * _LOG2E, num_blocks,
+        page_table.stride(0), scale * _LOG2E, num_blocks, float(kv_scales[0]), float(kv_scales[1]),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_T=meta.attn_block_t, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype),
-        GATE=gated, num_warps=num_warps, num_stages=num_stages,
+        GATE=gated, FP8=_fp8(k_cache, v_cache), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -281,6 +298,7 @@ def launch_paged_attention(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
     scale: float, out: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Attention of each sequence's new queries over its paged K/V (Triton).
 
@@ -290,7 +308,8 @@ def paged_attention(
     page_table: [R, max_pages] int32/int64; sequence b reads row meta.table_rows[b], whose first
         ceil(kv_len[b] / page_size) entries are used;
     meta: the step's KernelMeta (q_start, q_len, kv_len per sequence; the attention block grid);
-    out: optional [T, Hq, D] to write into; gate: optional [T, Hq, D], then out * sigmoid(gate).
+    out: optional [T, Hq, D] to write into; gate: optional [T, Hq, D], then out * sigmoid(gate);
+    kv_scales: the layer's (K, V) scales of FP8 caches, read as fp8 * scale in q's dtype.
     Query i of sequence b sits at position kv_len[b] - q_len[b] + i and sees keys up to it.
     Returns out: [T, Hq, D] in q's dtype.
     """
@@ -298,5 +317,5 @@ def paged_attention(
         out = torch.empty_like(q)
     decode = meta.max_q_len == 1 and q.shape[0] == meta.num_seqs and meta.num_seqs
     if decode and decode_splits(meta.num_seqs, k_cache.shape[2], q.device) > 1:
-        return launch_paged_decode(q, k_cache, v_cache, page_table, meta, scale, out, gate)
-    return launch_paged_attention(q, k_cache, v_cache, page_table, meta, scale, out, gate)
+        return launch_paged_decode(q, k_cache, v_cache, page_table, meta, scale, out, gate, kv_scales=kv_scales)
+    return launch_paged_attention(q, k_cache, v_cache, page_table, meta, scale, out, gate, kv_scales=kv_scales)
