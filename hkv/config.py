@@ -88,6 +88,19 @@ class ModelConfig:
     cuda_graph_max_bs: int = 0  # CUDA: decode batches up to this replay captured graphs; 0 = eager
     # --compile-cache-dir, resolved and created (mode 0700): compiled kernels and autotuning results; "" = none
     compile_cache_dir: str = ""
+    # --kv-cache-dtype resolved: the KV pages' dtype when it is not the model's (float8_e4m3fn); "" = dtype
+    kv_dtype: str = ""
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV pool's dtype: float32 | bfloat16 | float16 | float8_e4m3fn."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def cache_dtype_name(self) -> str:
+        """What the cache fingerprint names (hkv.cache.keys): the model dtype, plus the KV dtype when it
+        differs, so FP8 pages and model-dtype pages never share keys (and auto keeps the older keys)."""
+        return self.dtype if self.kv_cache_dtype == self.dtype else f"{self.dtype}/kv:{self.kv_cache_dtype}"
 
     @property
     def max_context(self) -> int:
@@ -354,7 +367,7 @@ def _tier_checkpoint_interval(args: argparse.Namespace, spec: ModelSpec, interva
                               f"--checkpoint-interval ({interval})")  # fmt: skip
         return requested
     # docs/sizing.md: KV bytes per token of the full-attention layers, fp32 state bytes per checkpoint
-    kv_per_token = 2 * len(spec.full_layers) * spec.num_kv_heads * spec.head_dim * (4 if dtype == "float32" else 2)
+    kv_per_token = 2 * len(spec.full_layers) * spec.num_kv_heads * spec.head_dim * _KV_BYTES[dtype]
     conv_dim = 2 * spec.linear_k_heads * spec.linear_k_dim + spec.linear_v_heads * spec.linear_v_dim
     per_layer = spec.linear_v_heads * spec.linear_k_dim * spec.linear_v_dim + conv_dim * (spec.conv_kernel - 1)
     state_bytes = len(spec.linear_layers) * per_layer * 4
@@ -398,6 +411,14 @@ def _resolve_device(requested: str | None) -> str:
     if requested is not None:
         return requested
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+_KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # bytes of one KV element
+
+
+def _resolve_kv_dtype(requested: str) -> str:
+    """--kv-cache-dtype resolved to ModelConfig.kv_dtype: "" (the model dtype) or float8_e4m3fn."""
+    return "float8_e4m3fn" if requested == "fp8_e4m3" else ""
 
 
 def _resolve_dtype(requested: str, device: str, declared: str | None) -> str:
@@ -523,14 +544,15 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     name = args.name or f"hkv{args.port}"
     on_cpu = device == "cpu"
     max_running = args.max_running_requests or (32 if on_cpu else 256)
-    cache = _cache_config(args, spec, max_running, on_cpu, dtype)
+    kv_dtype = _resolve_kv_dtype(args.kv_cache_dtype)
+    cache = _cache_config(args, spec, max_running, on_cpu, kv_dtype or dtype)
     server = _server_config(args, name, spec)
     compile_cache_dir = _compile_cache_dir(args.compile_cache_dir)
     run_dir = create_run_dir(name)  # mode 0700, marked with this process as its creator
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec,
                           cuda_graph_max_bs=_graph_max_bs(args, max_running, on_cpu),
-                          compile_cache_dir=compile_cache_dir),
+                          compile_cache_dir=compile_cache_dir, kv_dtype=kv_dtype),
         cache=cache,
         scheduler=SchedulerConfig(
             max_running_requests=max_running,

@@ -17,6 +17,7 @@ from hkv.engine.validate import MAX_SPEC_TOKENS
 from hkv.pd_flags import pd_flags, security_flags
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # --kv-cache-dtype; fp8_e4m3 stores float8_e4m3fn pages
 DEFAULT_DISK_CACHE_GB = 16.0  # --disk-cache-gb when only --disk-cache-dir is given
 PD_STAGING_GB = 2.0  # --cpu-cache-gb of a prefill or decode instance that gives none: room to stage its transfers
 
@@ -63,6 +64,11 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
                    help="hybrid models: linear-state slots for live states and checkpoints together "
                         "(default: 3 x --max-running-requests on cpu; on cuda --max-running-requests plus "
                         "a quarter of the memory --gpu-memory-fraction leaves after the weights, in checkpoints)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="dtype of the KV pages (device pool, CPU and disk tiers, PD transfers): auto = the model "
+                        "dtype (--dtype); fp8_e4m3 = float8_e4m3fn with a per-layer scale (the checkpoint's "
+                        "k_scale / v_scale, else 1.0), half the bytes of bf16, so about twice the pages in the same "
+                        "memory (default: auto)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="turn prefix reuse off: nothing is matched or kept (default: on)")
 

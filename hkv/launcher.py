@@ -297,13 +297,14 @@ def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
     c = cfg.cache
     model = meta_model(cfg.model.path)
     draft = draft_spec(model, cfg.spec.draft_window) if cfg.spec.spec_tokens > 0 else None
-    kv = model.kv_layout(1, c.page_size, cfg.model.dtype, "cpu")
+    kv = model.kv_layout(1, c.page_size, cfg.model.kv_cache_dtype, "cpu")
     kv, _ = with_paged_draft(model, kv, draft)
     state = model.state_layout(1, device="cpu", dtype="float32") if c.hybrid else None
     layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), draft)
     digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start
-    fingerprint = cache_fingerprint(cfg.model.path, cfg.model.dtype, c.page_size, cfg.model.tp, cfg.model.device,
-                                    digest_cache=digests)
+    # the KV dtype is part of the key (cache_dtype_name): FP8 pages never meet model-dtype pages
+    fingerprint = cache_fingerprint(cfg.model.path, cfg.model.cache_dtype_name, c.page_size, cfg.model.tp,
+                                    cfg.model.device, digest_cache=digests)
     return layout, fingerprint.root_key()
 
 

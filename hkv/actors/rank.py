@@ -46,14 +46,14 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable,
     if not on_cuda:
         torch.set_num_threads(cfg.model.cpu_threads)
     drafting = cfg.spec.spec_tokens > 0
-    model = _load_weights(cfg, drafting, startup)
+    model, kv_scales = _load_weights(cfg, drafting, startup)
     # on CUDA one more page and state slot than the router hands out: padded graph rows write there
     extra = 1 if on_cuda else 0
     draft = spec.draft_spec(model, cfg.spec.draft_window) if drafting else None
     slots, state = _state_pool(cfg, model, table, draft, extra, startup)
     if on_cuda:  # compile and autotune the prefill kernels now, not in the first requests' TTFT
         _warm_up(cfg, model, state, startup)
-    pages, kv = _kv_pool(cfg, model, state, draft, extra, startup)
+    pages, kv = _kv_pool(cfg, model, state, draft, extra, startup, kv_scales)
     scratch = (pages, slots if state is not None else None) if on_cuda else None
     runner = ModelRunner(model, kv, state, table, cfg.cache.page_size, cfg.model.device, scratch=scratch,
                          max_tokens=cfg.scheduler.chunked_prefill_size + cfg.scheduler.max_running_requests,
@@ -73,17 +73,18 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable,
 
 
 def _load_weights(cfg: HkvConfig, drafting: bool, startup: StartupReporter):
-    """The model with its weights on the device (a start-up phase, a part per tensor)."""
+    """(the model with its weights on the device, the checkpoint's FP8 KV scales by model layer), a
+    start-up phase, a part per tensor."""
     from hkv.models.loader import load_model, weight_tensors
 
     with startup.phase("loading weights", weight_tensors(cfg.model.path), "tensors") as phase:
-        model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, mtp=drafting,
-                           progress=phase.advance).model
+        loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, mtp=drafting, progress=phase.advance)
+        model = loaded.model
         phase.hold(cfg.server.startup_stall_s)  # fault injection: tests see the instance starting
     if tuple(sorted(model.layer_map)) != cfg.model.spec.full_layers:
         raise ValueError(f"the checkpoint's attention layers {sorted(model.layer_map)} differ from the "
                          f"description the launcher read ({cfg.model.spec.full_layers}): was it replaced?")
-    return model
+    return model, loaded.kv_scales
 
 
 def _state_pool(cfg: HkvConfig, model, table: request_table.RequestTable, draft, extra: int,
@@ -116,20 +117,28 @@ def _warm_up(cfg: HkvConfig, model, state, startup: StartupReporter) -> None:
                     type(exc).__name__, exc)
 
 
-def _kv_pool(cfg: HkvConfig, model, state, draft, extra: int, startup: StartupReporter):
-    """(usable KV pages, the KV pool), sized from memory without --max-total-tokens."""
+def _kv_pool(cfg: HkvConfig, model, state, draft, extra: int, startup: StartupReporter,
+             kv_scales: dict[int, tuple[float, float]]):
+    """(usable KV pages, the KV pool), sized from memory without --max-total-tokens; kv_scales: the
+    checkpoint's FP8 scales by model layer."""
     from hkv.engine import spec
-    from hkv.storage.kv_pool import KVPool
+    from hkv.models.loader import TORCH_DTYPES
+    from hkv.storage.kv_pool import FP8_DTYPE, KVPool
 
     pages = cfg.cache.num_pages
     with startup.phase("sizing the KV pool" if pages is None else "allocating the KV pool"):
         if pages is None:  # the paged draft layer (W = 0) is part of every page's bytes there
             pages = sizing.pages_from_memory(cfg, model, state)
-        layout = model.kv_layout(pages + extra, cfg.cache.page_size, cfg.model.dtype, cfg.model.device)
+        layout = model.kv_layout(pages + extra, cfg.cache.page_size, cfg.model.kv_cache_dtype, cfg.model.device)
         layout, layer_map = spec.with_paged_draft(model, layout, draft)  # W = 0: one more layer
-        kv = KVPool(layout, layer_map)
-    log.info("KV pool: %d pages x %d tokens, %.1f MiB", pages, layout.page_size,
-             layout.bytes_per_page() * pages / 2**20)
+        if kv_scales and layout.dtype != FP8_DTYPE:
+            log.info("the checkpoint's KV scales are unused: the KV pages are %s (--kv-cache-dtype)", layout.dtype)
+        scales = {layer_map[layer]: pair for layer, pair in kv_scales.items()} if layout.dtype == FP8_DTYPE else {}
+        kv = KVPool(layout, layer_map, attn_dtype=TORCH_DTYPES[cfg.model.dtype], scales=scales)
+    log.info("KV pool: %d pages x %d tokens, %.1f MiB; %s KV, %d bytes a token (%d layers x K and V x %d heads x %d "
+             "x %d bytes)%s", pages, layout.page_size, layout.bytes_per_page() * pages / 2**20, layout.dtype,
+             layout.bytes_per_page() // layout.page_size, layout.num_layers, layout.kv_heads, layout.head_dim,
+             layout.torch_dtype.itemsize, f", {len(scales)} layers with checkpoint scales" if scales else "")
     return pages, kv
 
 

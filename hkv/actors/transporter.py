@@ -56,7 +56,7 @@ from hkv.ipc.peer_socket import SealedSocket, tcp_socket
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.ipc.shm import ShmRegion
 from hkv.ipc.tier_regions import PD_STATS_REGION, attach_pool
-from hkv.storage.host_pool import HostLayout, HostPool
+from hkv.storage.host_pool import HostLayout, HostPool, kv_dtype_of
 
 log = logging.getLogger("hkv.transporter")
 from hkv.openai.pd_route import ADDRESS_FILE  # noqa: E402  (the api reads it back)
@@ -230,6 +230,9 @@ class Transporter:
             log.exception("serving a peer's ask failed")
 
     def _refuse_lookup(self, key: tuple[bytes, int], msg: PeerLookup) -> str | None:
+        theirs, ours = kv_dtype_of(msg.layout), self.layout.kv_dtype
+        if theirs != ours:
+            return f"another KV cache dtype (--kv-cache-dtype): the peer stores {theirs} pages, this instance {ours}"
         if msg.layout != self.layout.descriptor or msg.root != self.fingerprint:
             return "another model or layout (the fingerprints or CPU-tier layouts differ)"
         if not 1 <= len(msg.keys) <= MAX_KEYS or any(len(k) != KEY_BYTES for k in msg.keys):

@@ -60,7 +60,7 @@ class DecodeGraphs:
         self.page_size: int = page_size
         self.scratch_slot: int | None = scratch_slot  # padded rows' state slot (hybrid models)
         group, head_dim = attn_dims
-        self.tile: tuple[int, int, int, int] = attention_tile(1, group, head_dim, kv.k.dtype)
+        self.tile: tuple[int, int, int, int] = attention_tile(1, group, head_dim, kv.attn_dtype)
         self.block_t: int = max(1, self.tile[0] // group)
         fields = dict.fromkeys(("input_ids", "positions", "slot_mapping", "logits_indices", "state_slots",
                                 "q_start", "q_len", "kv_len", "table_rows", "attn_block_seq", "attn_block_tok",

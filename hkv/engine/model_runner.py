@@ -553,7 +553,7 @@ class ModelRunner:
         """An eager CUDA step's batch (and the arena views): every array in one copy, page ids by
         request-table row."""
         group, head_dim = self.attn_dims
-        tile = attention_tile(int(inputs.q_lens.max()), group, head_dim, self.kv.k.dtype)
+        tile = attention_tile(int(inputs.q_lens.max()), group, head_dim, self.kv.attn_dtype)
         block_t = max(1, tile[0] // group)
         arrays = meta_arrays(inputs.q_lens, inputs.kv_lens, inputs.rows, block_t)
         arrays.update(input_ids=inputs.input_ids, positions=inputs.positions, slot_mapping=inputs.slot_mapping,

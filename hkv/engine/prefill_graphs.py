@@ -292,7 +292,7 @@ class PrefillGraphs:
 
     def _tile(self, t: int) -> tuple[tuple[int, int, int, int], int]:
         group, head_dim = self.attn_dims
-        tile = attention_tile(t, group, head_dim, self.kv.k.dtype)
+        tile = attention_tile(t, group, head_dim, self.kv.attn_dtype)
         return tile, max(1, tile[0] // group)
 
     def _fixed_arrays(self, b: int, t: int) -> dict[str, np.ndarray]:

@@ -53,20 +53,18 @@ def state_slots_from_memory(cfg: HkvConfig, model) -> int:
 
 def _activation_peak(model, cfg: HkvConfig, state) -> int:
     """Peak bytes one eager forward of the step token budget allocates beyond what is resident."""
-    from hkv.storage.kv_pool import KVPool
 
     tokens = cfg.scheduler.chunked_prefill_size
     page_size = cfg.cache.page_size
     pages = -(-tokens // page_size)
-    layout = model.kv_layout(pages, page_size, cfg.model.dtype, cfg.model.device)
-    kv = KVPool(layout, model.layer_map)
+    kv = scratch_kv_pool(cfg, model, pages)
     dev = kv.kv.device
     scratch_slot = [state.num_slots - 1] if state is not None else None
     group = model.cfg.num_attention_heads // model.cfg.num_key_value_heads
     batch = ForwardBatch.from_lists(
         input_ids=[0] * tokens, positions=range(tokens), q_lens=[tokens], kv_lens=[tokens],
         page_table=torch.arange(pages, device=dev)[None], slot_mapping=range(tokens), logits_indices=[tokens - 1],
-        state_slots=scratch_slot, attn_dims=(group, model.cfg.head_dim, kv.k.dtype),
+        state_slots=scratch_slot, attn_dims=(group, model.cfg.head_dim, kv.attn_dtype),
     )
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
@@ -80,6 +78,16 @@ def _activation_peak(model, cfg: HkvConfig, state) -> int:
     del kv, batch
     torch.cuda.empty_cache()
     return peak
+
+
+def scratch_kv_pool(cfg: HkvConfig, model, pages: int):
+    """A throwaway KV pool of `pages` pages as the rank's (--kv-cache-dtype pages, attention in the model
+    dtype, scales 1.0) for the measuring and warm-up forwards."""
+    from hkv.models.loader import TORCH_DTYPES
+    from hkv.storage.kv_pool import KVPool
+
+    layout = model.kv_layout(pages, cfg.cache.page_size, cfg.model.kv_cache_dtype, cfg.model.device)
+    return KVPool(layout, model.layer_map, attn_dtype=TORCH_DTYPES[cfg.model.dtype])
 
 
 def pages_from_memory(cfg: HkvConfig, model, state) -> int:
@@ -108,7 +116,7 @@ def kv_page_layout(cfg: HkvConfig, model):
     the paged draft layer is one more storage layer (hkv.engine.spec.with_paged_draft)."""
     from hkv.engine.spec import draft_spec, with_paged_draft
 
-    layout = model.kv_layout(1, cfg.cache.page_size, cfg.model.dtype, "meta")
+    layout = model.kv_layout(1, cfg.cache.page_size, cfg.model.kv_cache_dtype, "meta")
     draft = draft_spec(model, cfg.spec.draft_window) if cfg.spec.spec_tokens else None
     return with_paged_draft(model, layout, draft)[0]
 
@@ -163,14 +171,11 @@ def warm_up(model, cfg: HkvConfig, state, progress: Callable[[], None] | None = 
 
 
 def _warm_up_steps(model, cfg: HkvConfig, state, scratch: int | None, progress: Callable[[], None]) -> None:
-    from hkv.storage.kv_pool import KVPool
-
     page_size = cfg.cache.page_size
     group = model.cfg.num_attention_heads // model.cfg.num_key_value_heads
     for lens, checkpoints in ((WARM_UP_LENS, ((0, 64, scratch),)), (WARM_UP_LENS[:1], ())):
         rows = [-(-n // page_size) for n in lens]
-        layout = model.kv_layout(sum(rows), page_size, cfg.model.dtype, cfg.model.device)
-        kv = KVPool(layout, model.layer_map)
+        kv = scratch_kv_pool(cfg, model, sum(rows))
         dev = kv.kv.device
         first = [sum(rows[:i]) for i in range(len(lens))]
         table = torch.tensor([[first[b] + min(p, rows[b] - 1) for p in range(max(rows))] for b in range(len(lens))],
@@ -183,7 +188,7 @@ def _warm_up_steps(model, cfg: HkvConfig, state, scratch: int | None, progress: 
             input_ids=[0] * sum(lens), positions=positions, q_lens=list(lens), kv_lens=list(lens), page_table=table,
             slot_mapping=slot_mapping, logits_indices=ends,
             state_slots=[scratch] * len(lens) if state is not None else None,
-            attn_dims=(group, model.cfg.head_dim, kv.k.dtype), checkpoints=checkpoints if state is not None else (),
+            attn_dims=(group, model.cfg.head_dim, kv.attn_dtype), checkpoints=checkpoints if state is not None else (),
         )
         with torch.inference_mode():
             model(batch, kv, state)

@@ -194,7 +194,7 @@ class SpecDecoder:
         batch = ForwardBatch.from_lists(
             inputs.input_ids, inputs.positions, inputs.q_lens, inputs.kv_lens, page_rows, inputs.slot_mapping,
             logits_idx, state_slots=inputs.state_slots, checkpoints=inputs.checkpoints,
-            attn_dims=(*r.attn_dims, r.kv.k.dtype),
+            attn_dims=(*r.attn_dims, r.kv.attn_dtype),
         )
         if verify_rows:
             width = int(inputs.q_lens.max())

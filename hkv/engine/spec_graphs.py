@@ -69,7 +69,7 @@ class VerifyGraphs:
         self.ring: bool = bool(spec.drafter.store.spec.window)  # the drafter runs in the graph (W > 0)
         kv, pages = runner.kv, runner.pages
         group, head_dim = runner.attn_dims
-        self.tile = attention_tile(self.q, group, head_dim, kv.k.dtype)
+        self.tile = attention_tile(self.q, group, head_dim, kv.attn_dtype)
         self.block_t = max(1, self.tile[0] // group)
         if self.block_t < self.q:  # rows of several attention blocks never ran in a graph on a GPU: such K stay eager
             raise ValueError(f"an attention block of {self.block_t} tokens is shorter than a verify row of {self.q}")

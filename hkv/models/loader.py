@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from hkv.config import ModelSpec
+from hkv.models.kv_scales import KVScaleError, KVScaleReader
 from hkv.models.registry import resolve_family
 from hkv.models.tokenizer import Tokenizer, tool_call_format
 
@@ -39,6 +40,8 @@ class ModelLoadError(ValueError):
 class LoadedModel:
     model: torch.nn.Module  # a family class from the registry, in eval mode, on the requested device/dtype
     hf_config: dict  # config.json as read
+    # model layer -> (K scale, V scale) of FP8 KV pages, for the layers the checkpoint gives them (others: 1.0)
+    kv_scales: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -237,10 +240,15 @@ def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
     cfg = family.config_class.from_hf(hf_config)
     shards = find_weight_shards(folder)
     model = _build_empty(family, cfg, TORCH_DTYPES[dtype], device, mtp)
-    model.load_weights(iter_tensors(shards, progress))
+    scales = KVScaleReader()  # FP8 KV scales are no parameters: taken out of the stream first
+    model.load_weights(scales.absorb(iter_tensors(shards, progress)))
     model.eval()
     model.prepare_for_device()  # CUDA: fused projections (views of one weight; CPU: nothing)
-    return LoadedModel(model=model, hf_config=hf_config)
+    try:
+        kv_scales = scales.scales(model.layer_map)
+    except KVScaleError as exc:
+        raise ModelLoadError(str(exc)) from None
+    return LoadedModel(model=model, hf_config=hf_config, kv_scales=kv_scales)
 
 
 def weight_tensors(path: str | Path) -> int:
@@ -310,7 +318,8 @@ def meta_model_of(hf_config: dict) -> torch.nn.Module:
 
 def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, device: str,
                       digest_cache: Path | None = None):
-    """The ModelFingerprint that roots every CPU/disk tier key (hkv/cache/keys.py).
+    """The ModelFingerprint that roots every CPU/disk tier key (hkv/cache/keys.py); dtype: the model dtype,
+    plus the KV pages' when they differ (ModelConfig.cache_dtype_name, "bfloat16/kv:float8_e4m3fn").
 
     architecture: model_type + sha256 of config.json's canonical JSON; weights:
     `weights_digest` of the shard files; tokenizer: sha256 over tokenizer.json

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hkv_kernels import dispatch
+from hkv_kernels.kv_quant import dequantize, store_rows
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,9 @@ class DraftStore:
             dispatch.ring_write(self.state.draft_v, slots, positions, v.contiguous())
             return
         kc, vc = self.kv.k[self.layer], self.kv.v[self.layer]
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, flat, k.to(kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, flat, v.to(vc.dtype))
+        # the paged draft layer is a storage layer of the KV pool: FP8 pages when it is (scale 1.0)
+        store_rows(kc.view(-1, *kc.shape[2:]), flat, k, self.kv.k_scale[self.layer])
+        store_rows(vc.view(-1, *vc.shape[2:]), flat, v, self.kv.v_scale[self.layer])
 
     def read(self, slot: int, flat: torch.Tensor | None, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's committed entries at positions [lo, hi): k, v [hi - lo, Hkv, D] (tests);
@@ -159,8 +161,14 @@ class DraftStore:
             idx = torch.arange(lo, hi, device=self.state.mtp_hidden.device) % self.spec.window
             return self.state.draft_k[slot].index_select(0, idx), self.state.draft_v[slot].index_select(0, idx)
         kc, vc = self.kv.k[self.layer], self.kv.v[self.layer]
-        return (kc.reshape(-1, *kc.shape[2:]).index_select(0, flat[lo:hi]),
-                vc.reshape(-1, *vc.shape[2:]).index_select(0, flat[lo:hi]))
+        k = kc.reshape(-1, *kc.shape[2:]).index_select(0, flat[lo:hi])
+        v = vc.reshape(-1, *vc.shape[2:]).index_select(0, flat[lo:hi])
+        return self.dequantized(k, v)
+
+    def dequantized(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paged entries as read from the KV pool, in the model dtype (FP8 pages times their scales)."""
+        dtype = self.state.mtp_hidden.dtype
+        return (dequantize(k, dtype, self.kv.k_scale[self.layer]), dequantize(v, dtype, self.kv.v_scale[self.layer]))
 
 
 @dataclass(frozen=True)
@@ -308,4 +316,4 @@ class Drafter:
                 flat[b, :n] = r.flat[1 : n + 1].cpu()
                 pos[b, :n] = torch.arange(1, n + 1)
         flat, pos = flat.to(device), pos.to(device)
-        return kflat[flat], vflat[flat], pos
+        return (*store.dequantized(kflat[flat], vflat[flat]), pos)

@@ -171,8 +171,10 @@ class Qwen3Attention(nn.Module):
             q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
             v.view(T, self.num_kv_heads, self.head_dim), cos, sin, batch.positions, self.q_norm.weight,
             self.k_norm.weight, self.q_norm.eps, False, kv.k[s], kv.v[s], batch.slot_mapping,
+            kv_scales=kv.scales(self.layer_idx),
         )  # [T, Hq, D], the new K/V written
-        out = dispatch.paged_attention(q, kv.k[s], kv.v[s], batch.page_table, batch.meta, self.scale)  # [T, Hq, D]
+        out = dispatch.paged_attention(q, kv.k[s], kv.v[s], batch.page_table, batch.meta, self.scale,
+                                       kv_scales=kv.scales(self.layer_idx))  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))  # [T, H]
 
 

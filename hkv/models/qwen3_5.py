@@ -217,10 +217,11 @@ class GatedAttention(nn.Module):
         q = dispatch.attention_prep(
             query, k.view(num_tokens, self.kv_heads, self.head_dim), v.view(num_tokens, self.kv_heads, self.head_dim),
             cos, sin, batch.positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, True,
-            kv.k[s], kv.v[s], batch.slot_mapping,
+            kv.k[s], kv.v[s], batch.slot_mapping, kv_scales=kv.scales(self.layer_idx),
         )  # [T, Hq, D], the new K/V written
         out = dispatch.paged_attention(
-            q, kv.k[s], kv.v[s], batch.page_table, batch.meta, self.scale, gate=gate
+            q, kv.k[s], kv.v[s], batch.page_table, batch.meta, self.scale, gate=gate,
+            kv_scales=kv.scales(self.layer_idx),
         )  # [T, Hq, D], already times sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, -1))
 

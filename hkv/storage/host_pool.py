@@ -8,7 +8,7 @@ its bytes at the start of the block (hkv/cache/slab.py says who holds which):
 
     buffer  [ unit 0 | unit 1 | ... | unit k-1 | unit k | ... | unit N-1 ]
     block   [ state entry 0 ................... | state entry 1 ....      ]
-    page    [2 (K, V), kv_layers, page_size, kv_heads, head_dim]       model dtype, one unit
+    page    [2 (K, V), kv_layers, page_size, kv_heads, head_dim]       the KV pool's dtype, one unit
     state   [conv: lin_layers, conv_dim, kernel-1][recurrent: lin_layers, v_heads, k_dim, v_dim]   fp32
             [mtp_hidden: hidden][draft_k: W, kv_heads, head_dim][draft_v: W, kv_heads, head_dim]  fp32,
             the drafter's part (--spec-tokens only; draft_k/v with --draft-window W > 0 only)
@@ -35,7 +35,8 @@ import torch
 from hkv.storage.kv_pool import KVLayout
 from hkv.storage.state_pool import StateLayout
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float8_e4m3fn": torch.float8_e4m3fn}  # the KV pages' dtypes: the tier keeps their bytes as they are
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,12 @@ class HostLayout:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def kv_dtype_of(descriptor: str) -> str:
+    """The KV pages' dtype a layout descriptor names ("kv:<shape>:<dtype>|..."); "" when it names none."""
+    head = descriptor.split("|", 1)[0].split(":")
+    return head[2] if len(head) == 3 and head[0] == "kv" else ""
 
 
 def draft_part(draft) -> tuple[int, int, int, int]:

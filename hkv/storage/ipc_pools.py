@@ -24,7 +24,8 @@ import torch
 from hkv.openai.pd_route import POOLS_FILE  # noqa: F401  (named there: the api reads it without torch)
 
 MAX_PEERS = 8
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+           "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class PeerPoolError(ValueError):

@@ -170,7 +170,7 @@ def _parts(pools: Sequence[torch.Tensor], runs: Sequence[Sequence[tuple[int, int
     views = []
     for pool, pool_runs in zip(pools, runs):
         flat = pool_elements(pool)
-        flat = flat.view(torch.uint8) if flat.element_size() != 1 else flat
+        flat = flat.view(torch.uint8)  # bytes: an FP8 pool copied into the uint8 staging would convert values
         if flat.shape[1] > 1 and flat.stride(1) != flat.shape[2]:  # a layer's run must be one contiguous segment
             raise ValueError("a pool's pages must be contiguous within a layer")
         for s, d, n in pool_runs:
