@@ -9,7 +9,11 @@ recurrent state read and written, at the measured copy bandwidth) and the ratio,
 and, with --profile, kernels per step and GPU busy time against wall time.
 
     python -m tools.bench.bench_decode [--batches 1,32,64] [--context 576] [--json out.json] [--profile]
-                                       [--moe | --preset qwen3.5-27b]
+                                       [--moe | --preset qwen3.5-27b] [--kv-cache-dtype bfloat16,fp8_e4m3]
+                                       [--graphs-only]
+
+--kv-cache-dtype times the KV pool in each dtype of the list, one after the other in the same run (fp8_e4m3:
+float8_e4m3fn pages, scale 1.0, as hkv-launch --kv-cache-dtype fp8_e4m3 serves them).
 
 --moe builds the MoE benchmark model's architecture instead (tools/bench/make_bench_model.py --moe: Qwen3-Next-80B's
 layer shapes, 4 layers); its roofline counts only the experts a batch touches (tools/bench/moe_roofline.py).
@@ -85,7 +89,10 @@ def preset_config(name: str) -> dict:
     return config
 
 
-def roofline_ms(model, batch: int, context: int, bandwidth: float) -> float:
+KV_DTYPES = {"bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}  # --kv-cache-dtype -> the KV pool's dtype
+
+
+def roofline_ms(model, batch: int, context: int, bandwidth: float, kv_bytes: int = 2) -> float:
     """Bytes a decode step must move at least, over the copy bandwidth: weights once, every
     sequence's KV read, every fp32 recurrent and conv state read and written."""
     cfg = model.cfg
@@ -95,7 +102,7 @@ def roofline_ms(model, batch: int, context: int, bandwidth: float) -> float:
 
         experts = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
         weights += touched_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) / cfg.num_experts * experts
-    kv = batch * context * len(cfg.full_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    kv = batch * context * len(cfg.full_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_bytes
     state = model.state_layout(1).bytes_per_slot
     return (weights + kv + 2 * batch * state) / bandwidth * 1e3
 
@@ -120,7 +127,7 @@ class DecodeRig:
     """One runner over B sequences of `context` tokens each (their KV is garbage: speed only)."""
 
     def __init__(self, model, max_bs: int, context: int, graphs: bool, extra_slots: int = 0,
-                 max_tokens: int | None = None, checkpoint_interval: int | None = None):
+                 max_tokens: int | None = None, checkpoint_interval: int | None = None, kv_dtype: str = "bfloat16"):
         """extra_slots: state slots max_bs .. max_bs + extra_slots - 1 beside the sequences' own (for
         checkpoints); max_tokens: the step token budget (max_bs * 130 by default)."""
         self.context = context
@@ -128,7 +135,8 @@ class DecodeRig:
         num_pages = max_bs * pages_per_seq
         layout = TableLayout(slots=max_bs, max_pages=pages_per_seq + 1)
         self.table = RequestTable(layout, memoryview(bytearray(layout.nbytes())))
-        self.kv = KVPool(model.kv_layout(num_pages + 1, PAGE, "bfloat16", "cuda"), model.layer_map)
+        self.kv = KVPool(model.kv_layout(num_pages + 1, PAGE, kv_dtype, "cuda"), model.layer_map,
+                         attn_dtype=torch.bfloat16)
         self.state = StatePool(model.state_layout(max_bs + extra_slots + 1, device="cuda"))
         self.runner = ModelRunner(model, self.kv, self.state, self.table, PAGE, "cuda",
                                   scratch=(num_pages, max_bs + extra_slots), max_tokens=max_tokens or max_bs * 130,
@@ -229,8 +237,14 @@ def main(argv: list[str] | None = None) -> int:
 
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="a make_bench_model --preset shape instead (qwen3.5-27b: Qwen3.5-27B's layers, 16)")
+    parser.add_argument("--kv-cache-dtype", default="bfloat16",
+                        help="KV pool dtypes to time, a comma list of bfloat16 and fp8_e4m3 (default: bfloat16)")
+    parser.add_argument("--graphs-only", action="store_true", help="time graph replays only, not eager steps too")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
+    kv_dtypes = args.kv_cache_dtype.split(",")
+    if any(d not in KV_DTYPES for d in kv_dtypes):
+        parser.error(f"--kv-cache-dtype: each of {sorted(KV_DTYPES)}, got {args.kv_cache_dtype!r}")
     if args.moe and args.preset:
         parser.error("--moe and --preset are two different models: give one")
     if not torch.cuda.is_available():
@@ -244,21 +258,22 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     out = {"copy_bandwidth": bw, "params": params, "context": args.context, "rows": []}
     with torch.inference_mode():
-        for graphs in (True, False):
-            rig = DecodeRig(model, max(batches), args.context, graphs)
+        for kv_dtype, graphs in [(d, g) for d in kv_dtypes for g in ((True,) if args.graphs_only else (True, False))]:
+            rig = DecodeRig(model, max(batches), args.context, graphs, kv_dtype=KV_DTYPES[kv_dtype])
             if graphs:
-                print(f"graphs captured in {rig.capture_s:.1f} s", flush=True)
+                print(f"{kv_dtype} KV: graphs captured in {rig.capture_s:.1f} s", flush=True)
             for b in batches:
                 ms = rig.time_steps(b, args.iters)
-                roof = roofline_ms(model, b, args.context, bw)
-                row = {"graphs": graphs, "batch": b, "step_ms": ms, "roofline_ms": roof, "of_roofline": roof / ms}
+                roof = roofline_ms(model, b, args.context, bw, rig.kv.kv.element_size())
+                row = {"graphs": graphs, "batch": b, "kv_dtype": kv_dtype, "step_ms": ms, "roofline_ms": roof,
+                       "of_roofline": roof / ms}
                 if args.profile:
                     row["profile"] = profile_step(rig, b)
                 out["rows"].append(row)
                 prof = row.get("profile")
                 extra = (f"; {prof['kernels']} kernels, {prof['h2d_copies']} H2D, GPU busy "
                          f"{prof['gpu_busy_ms']:.2f} of {prof['wall_ms']:.2f} ms") if prof else ""
-                print(f"{'graphs' if graphs else 'eager '} B{b:<4} step {ms:7.3f} ms  roofline {roof:6.3f} ms  "
+                print(f"{kv_dtype:9} {'graphs' if graphs else 'eager '} B{b:<4} step {ms:7.3f} ms  roofline {roof:6.3f} ms  "
                       f"{100 * roof / ms:5.1f}%{extra}", flush=True)
                 if args.mixed and graphs:
                     short = rig.runner.prefill_graphs
