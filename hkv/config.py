@@ -88,6 +88,7 @@ class ModelConfig:
     cuda_graph_max_bs: int = 0  # CUDA: decode batches up to this replay captured graphs; 0 = eager
     # --compile-cache-dir, resolved and created (mode 0700): compiled kernels and autotuning results; "" = none
     compile_cache_dir: str = ""
+    quantize: str = "none"  # --quantize: none | fp8 (a float checkpoint's projections in block FP8)
 
     @property
     def max_context(self) -> int:
@@ -530,7 +531,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec,
                           cuda_graph_max_bs=_graph_max_bs(args, max_running, on_cpu),
-                          compile_cache_dir=compile_cache_dir),
+                          compile_cache_dir=compile_cache_dir, quantize=args.quantize),
         cache=cache,
         scheduler=SchedulerConfig(
             max_running_requests=max_running,

@@ -303,7 +303,7 @@ def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
     layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), draft)
     digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start
     fingerprint = cache_fingerprint(cfg.model.path, cfg.model.dtype, c.page_size, cfg.model.tp, cfg.model.device,
-                                    digest_cache=digests)
+                                    digest_cache=digests, quantize=cfg.model.quantize)
     return layout, fingerprint.root_key()
 
 
