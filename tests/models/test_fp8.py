@@ -151,3 +151,29 @@ def test_fp8_weights_in_a_float_checkpoint_are_refused(fp8_ckpt, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="float8_e4m3fn"):
         load_model(folder, "float32", "cpu")
+
+
+@pytest.mark.parametrize("outs,fused_fp8", [((256, 128, 40), True), ((200, 128), False)],
+                         ids=["whole-blocks", "split-block"])
+def test_fused_projection_groups_fp8_parts_apart_from_plain_ones(outs, fused_fp8):
+    """FusedLinear.fuse (CUDA's path, called here on CPU tensors): FP8 parts concatenate with their scales
+    when every part but the last keeps whole 128-row blocks, else run alone; plain parts fuse together;
+    outputs come back in the parts' order, equal to the unfused ones."""
+    from hkv.models.qwen3 import FusedLinear
+    from hkv_kernels.fp8_gemm.reference import quantize
+
+    gen = torch.Generator().manual_seed(0)
+    parts = []
+    for i, out in enumerate(outs):
+        fp8 = Fp8Linear(160, out, None)
+        fp8.weight.data, fp8.weight_scale_inv.data = quantize(torch.randn(out, 160, generator=gen))
+        plain = nn.Linear(160, 24 + i, bias=True)
+        parts += [fp8, plain]
+    fused = FusedLinear(tuple(parts))
+    x = torch.randn(5, 160, generator=gen)
+    want = fused(x)
+    fused.fuse()
+    assert [len(g) for g, _ in fused.groups] == [len(outs)] + ([len(outs)] if fused_fp8 else [1] * len(outs))
+    got = fused(x)
+    assert len(got) == len(want) and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+    assert parts[0].weight.untyped_storage().data_ptr() == fused.groups[1][1].weight.untyped_storage().data_ptr()
