@@ -101,6 +101,7 @@ class ModelConfig:
         """What the cache fingerprint names (hkv.cache.keys): the model dtype, plus the KV dtype when it
         differs, so FP8 pages and model-dtype pages never share keys (and auto keeps the older keys)."""
         return self.dtype if self.kv_cache_dtype == self.dtype else f"{self.dtype}/kv:{self.kv_cache_dtype}"
+    quantize: str = "none"  # --quantize: none | fp8 (a float checkpoint's projections in block FP8)
 
     @property
     def max_context(self) -> int:
@@ -552,7 +553,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec,
                           cuda_graph_max_bs=_graph_max_bs(args, max_running, on_cpu),
-                          compile_cache_dir=compile_cache_dir, kv_dtype=kv_dtype),
+                          compile_cache_dir=compile_cache_dir, kv_dtype=kv_dtype, quantize=args.quantize),
         cache=cache,
         scheduler=SchedulerConfig(
             max_running_requests=max_running,

@@ -40,6 +40,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="where the ranks run (default: cuda when a CUDA device is visible, else cpu)")
     g.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights and KV dtype (default: auto = float32 on cpu, else the checkpoint's, else bfloat16)")
+    g.add_argument("--quantize", choices=("none", "fp8"), default="none",
+                   help="fp8: quantize a float checkpoint's projections at load into FP8 with a scale per "
+                        "128 x 128 block (the layout of published FP8 checkpoints, which load as FP8 without "
+                        "it); embeddings, lm_head, norms, MoE routers and gates and the GDN a/b projections keep "
+                        "--dtype (default: none)")
     g.add_argument("--tp", type=_positive_int, default=1,
                    help=f"tensor-parallel ranks (default: 1). Values above 1: {PENDING.lower()}")
     g.add_argument("--seed", type=int, default=0,

@@ -304,7 +304,7 @@ def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
     digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start
     # the KV dtype is part of the key (cache_dtype_name): FP8 pages never meet model-dtype pages
     fingerprint = cache_fingerprint(cfg.model.path, cfg.model.cache_dtype_name, c.page_size, cfg.model.tp,
-                                    cfg.model.device, digest_cache=digests)
+                                    cfg.model.device, digest_cache=digests, quantize=cfg.model.quantize)
     return layout, fingerprint.root_key()
 
 

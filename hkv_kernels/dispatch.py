@@ -229,18 +229,36 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
 def moe_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum, plus sigmoid(shared_gate) * shared when given.
 
     x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows, per expert); w2: [E, H, I]; weights, ids:
     [T, k] from moe_route; shared: [T, H] and shared_gate: [T, 1], or None. CPU: transformers' loop over
     the hit experts; CUDA: the sort by expert and two grouped GEMMs, no host read (graph-safe).
-    Returns [T, H] in x's dtype.
+    scales: FP8 experts' block multipliers (s13, s2; hkv_kernels/moe/reference.dequantize_experts), or
+    None. Returns [T, H] in x's dtype.
     """
     if not x.is_cuda:
-        from hkv_kernels.moe.reference import moe_experts_ref
+        from hkv_kernels.moe.reference import dequantize_experts, moe_experts_ref
 
+        if scales is not None:  # the reference runs the dequantized weights
+            w13, w2 = dequantize_experts(w13, w2, scales, x.dtype)
         return moe_experts_ref(x, w13, w2, weights, ids, shared, shared_gate)
     from hkv_kernels.moe.triton_moe import moe_experts as moe_experts_triton
 
-    return moe_experts_triton(x, w13, w2, weights, ids, shared, shared_gate)
+    return moe_experts_triton(x, w13, w2, weights, ids, shared, shared_gate, scales=scales)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times a block-FP8 weight [N, K] (float8_e4m3fn, with scale [ceil(N/128), ceil(K/128)]
+    fp32 multipliers) transposed, plus bias [N] or None -> [..., N] in x's dtype. CPU: F.linear over the
+    dequantized weight (the reference); CUDA: the Triton weight-only FP8 GEMM."""
+    if not x.is_cuda:
+        from hkv_kernels.fp8_gemm.reference import fp8_linear_ref
+
+        return fp8_linear_ref(x, weight, scale, bias)
+    from hkv_kernels.fp8_gemm.triton_fp8_gemm import fp8_linear as fp8_linear_triton
+
+    return fp8_linear_triton(x, weight, scale, bias)

@@ -78,9 +78,11 @@ def _load_weights(cfg: HkvConfig, drafting: bool, startup: StartupReporter):
     from hkv.models.loader import load_model, weight_tensors
 
     with startup.phase("loading weights", weight_tensors(cfg.model.path), "tensors") as phase:
-        loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, mtp=drafting, progress=phase.advance)
+        loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, mtp=drafting, progress=phase.advance,
+                            quantize=cfg.model.quantize)
         model = loaded.model
         phase.hold(cfg.server.startup_stall_s)  # fault injection: tests see the instance starting
+    sizing.log_weight_bytes(model, cfg.model.dtype)
     if tuple(sorted(model.layer_map)) != cfg.model.spec.full_layers:
         raise ValueError(f"the checkpoint's attention layers {sorted(model.layer_map)} differ from the "
                          f"description the launcher read ({cfg.model.spec.full_layers}): was it replaced?")

@@ -32,6 +32,21 @@ GRAPH_HEADROOM = 512 * 2**20  # bytes kept for graph pools beyond their logits b
 CHECKPOINT_SHARE = 0.25  # of the memory left after the weights, for checkpoint slots (no --state-slots)
 
 
+def log_weight_bytes(model, dtype: str) -> tuple[int, int]:
+    """Log (and return) the loaded weights' bytes: FP8 weights with their block scales, and the rest in
+    `dtype` (all of them for an unquantized model)."""
+    from hkv.models.fp8 import fp8_weight_bytes
+
+    fp8, other = fp8_weight_bytes(model)
+    gib = 2**30
+    if fp8:
+        log.info("weights: %.2f GiB (FP8 block-quantized %.2f GiB with scales, %s %.2f GiB)",
+                 (fp8 + other) / gib, fp8 / gib, dtype, other / gib)
+    else:
+        log.info("weights: %.2f GiB in %s", other / gib, dtype)
+    return fp8, other
+
+
 def checkpoint_slots(room: int, slot_bytes: int, max_running: int) -> int:
     """State slots for `room` bytes left after the weights: the running requests' live slots plus
     CHECKPOINT_SHARE of the room in checkpoints (at least 64 of them, as the old default had)."""

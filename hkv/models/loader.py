@@ -23,12 +23,17 @@ from tqdm import tqdm
 
 from hkv.config import ModelSpec
 from hkv.models.kv_scales import KVScaleError, KVScaleReader
+from hkv.models.fp8 import (
+    QuantizationError, checkpoint_fp8, checkpoint_targets, convert_to_fp8, quantize_stream, quantize_targets,
+)
 from hkv.models.registry import resolve_family
 from hkv.models.tokenizer import Tokenizer, tool_call_format
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # checkpoint tensor dtypes we cast from; anything else is a quantized format we do not run
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FP8_DTYPES = (*_FLOAT_DTYPES, torch.float8_e4m3fn)  # and the weights of an FP8 checkpoint
+QUANTIZE_CHOICES = ("none", "fp8")  # --quantize
 _INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -63,8 +68,10 @@ def read_hf_config(folder: Path) -> dict:
         raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from exc
     if not isinstance(hf_config, dict):
         raise ModelLoadError(f"{config_path}: expected a JSON object")
-    if hf_config.get("quantization_config"):
-        raise ModelLoadError(f"{folder}: quantized checkpoints are not supported")
+    try:
+        checkpoint_fp8(hf_config)  # FP8 block-quantized checkpoints load; other quantizations are refused here
+    except QuantizationError as exc:
+        raise ModelLoadError(f"{folder}: {exc}") from None
     return hf_config
 
 
@@ -122,10 +129,12 @@ def find_weight_shards(folder: Path) -> list[WeightShard]:
     return shards
 
 
-def iter_tensors(shards: list[WeightShard], progress: Callable[[], None] | None = None
+def iter_tensors(shards: list[WeightShard], progress: Callable[[], None] | None = None, fp8: bool = False
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of every shard; `progress()` after each (a rank's start-up
-    report), else a progress bar on a terminal."""
+    report), else a progress bar on a terminal. fp8: float8_e4m3fn tensors are accepted too (an FP8
+    checkpoint's weights)."""
+    allowed = _FP8_DTYPES if fp8 else _FLOAT_DTYPES
     total = sum(len(s.tensor_names) for s in shards)
     with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr,
               disable=True if progress is not None else None) as bar:
@@ -133,10 +142,10 @@ def iter_tensors(shards: list[WeightShard], progress: Callable[[], None] | None 
             with safe_open(str(shard.path), framework="pt", device="cpu") as f:
                 for name in shard.tensor_names:
                     tensor = f.get_tensor(name)
-                    if tensor.dtype not in _FLOAT_DTYPES:
+                    if tensor.dtype not in allowed:
                         raise ModelLoadError(
-                            f"{shard.path.name}: tensor {name} has dtype {tensor.dtype}; "
-                            "only float16/bfloat16/float32 checkpoints are supported (no quantized weights)"
+                            f"{shard.path.name}: tensor {name} has dtype {tensor.dtype}; only float16/bfloat16/"
+                            "float32 weights are supported (float8_e4m3fn in an FP8 block-quantized checkpoint)"
                         )
                     yield name, tensor
                     bar.update(1)
@@ -212,36 +221,49 @@ def _write_digest_cache(cache: Path, entries: dict[str, str]) -> None:
         pass
 
 
-def _build_empty(family: type, cfg: object, dtype: torch.dtype, device: str, mtp: bool = False) -> torch.nn.Module:
-    # construct without allocating or initializing, then allocate once on the target device
+def _build_meta(family: type, cfg: object, dtype: torch.dtype, mtp: bool = False) -> torch.nn.Module:
+    # construct without allocating or initializing (allocated once on the target device by to_empty)
     with torch.device("meta"):
         model = family(cfg)
         if mtp:
             model.enable_mtp()
-    return model.to(dtype=dtype).to_empty(device=device)
+    return model.to(dtype=dtype)
 
 
 def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
-               progress: Callable[[], None] | None = None) -> LoadedModel:
+               progress: Callable[[], None] | None = None, quantize: str = "none") -> LoadedModel:
     """Build the checkpoint's model family on `device` in `dtype` and load its weights
     (with mtp=True also its MTP module, `mtp.*`, for speculative decoding).
 
     progress: called after each tensor is read (of `weight_tensors(path)`; a rank's start-up phase).
+    quantize: "fp8" quantizes a float checkpoint's projections at load into 128 x 128 block FP8
+    (hkv/models/fp8.py); an FP8 checkpoint (quantization_config) loads its FP8 weights as they are.
 
-    dtype: float32 | bfloat16 | float16 (resolved, never "auto"). Raises ModelLoadError for
-    a missing folder/config/weights/shard or unsupported tensors, ValueError for an
-    unsupported model_type or config variant, WeightLoadError when tensors do not match.
+    dtype: float32 | bfloat16 | float16 (resolved, never "auto"): activations and the unquantized
+    weights. Raises ModelLoadError for a missing folder/config/weights/shard or unsupported tensors,
+    ValueError for an unsupported model_type or config variant, WeightLoadError when tensors do not match.
     """
     if dtype not in TORCH_DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} not one of {sorted(TORCH_DTYPES)}")
+    if quantize not in QUANTIZE_CHOICES:
+        raise ModelLoadError(f"quantize {quantize!r} not one of {list(QUANTIZE_CHOICES)}")
     folder = Path(path)
     hf_config = read_hf_config(folder)
     family = resolve_family(hf_config)
     cfg = family.config_class.from_hf(hf_config)
     shards = find_weight_shards(folder)
-    model = _build_empty(family, cfg, TORCH_DTYPES[dtype], device, mtp)
+    model = _build_meta(family, cfg, TORCH_DTYPES[dtype], mtp)
+    fp8_checkpoint = checkpoint_fp8(hf_config)
+    tensors = iter_tensors(shards, progress, fp8=fp8_checkpoint)
+    if fp8_checkpoint:  # already FP8: quantize changes nothing
+        convert_to_fp8(model, checkpoint_targets(model, (n for s in shards for n in s.tensor_names)))
+    elif quantize == "fp8":
+        targets = quantize_targets(model)
+        convert_to_fp8(model, targets)
+        tensors = quantize_stream(tensors, targets)
+    model = model.to_empty(device=device)
     scales = KVScaleReader()  # FP8 KV scales are no parameters: taken out of the stream first
-    model.load_weights(scales.absorb(iter_tensors(shards, progress)))
+    model.load_weights(scales.absorb(tensors))
     model.eval()
     model.prepare_for_device()  # CUDA: fused projections (views of one weight; CPU: nothing)
     try:
@@ -317,13 +339,14 @@ def meta_model_of(hf_config: dict) -> torch.nn.Module:
 
 
 def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, device: str,
-                      digest_cache: Path | None = None):
+                      digest_cache: Path | None = None, quantize: str = "none"):
     """The ModelFingerprint that roots every CPU/disk tier key (hkv/cache/keys.py); dtype: the model dtype,
     plus the KV pages' when they differ (ModelConfig.cache_dtype_name, "bfloat16/kv:float8_e4m3fn").
 
-    architecture: model_type + sha256 of config.json's canonical JSON; weights:
-    `weights_digest` of the shard files; tokenizer: sha256 over tokenizer.json
-    and tokenizer_config.json (those present).
+    architecture: model_type + sha256 of config.json's canonical JSON (an FP8 checkpoint's
+    quantization_config included); weights: `weights_digest` of the shard files; tokenizer: sha256
+    over tokenizer.json and tokenizer_config.json (those present); dtype: the activation dtype, with
+    "+fp8" when --quantize fp8 quantizes a float checkpoint at load (other weights, same files).
     """
     from hkv.cache.keys import ModelFingerprint
 
@@ -338,4 +361,6 @@ def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, dev
             tokenizer.update(name.encode() + b"\0" + file.read_bytes())
     weights = weights_digest([s.path for s in find_weight_shards(folder)], cache=digest_cache)
     # the device is part of the layout: CPU and GPU kernels round differently
+    if quantize == "fp8" and not checkpoint_fp8(hf_config):
+        dtype = f"{dtype}+fp8"
     return ModelFingerprint(architecture, weights, dtype, page_size, f"tp{tp}:{device}", tokenizer.hexdigest())

@@ -25,8 +25,8 @@ from torch import nn
 from hkv.models.qwen3 import FusedLinear, WeightLoadError
 from hkv_kernels import dispatch
 
-_PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\.weight$")
-_PARTS = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+_PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\."
+                         r"(?P<kind>weight|weight_scale_inv)$")
 
 
 class Experts(nn.Module):
@@ -38,14 +38,55 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def part(self, expert: int, part: str) -> torch.Tensor:
-        """The slice that checkpoint tensor `experts.{expert}.{part}_proj.weight` fills."""
+    # stacked parameter -> the per-expert tensors (part, kind) that fill it
+    STACKED = {"gate_up_proj": (("gate", "weight"), ("up", "weight")), "down_proj": (("down", "weight"),)}
+
+    def part(self, expert: int, part: str, kind: str = "weight") -> torch.Tensor:
+        """The slice that checkpoint tensor `experts.{expert}.{part}_proj.{kind}` fills."""
+        if kind != "weight":
+            raise WeightLoadError(f"experts.{expert}.{part}_proj.{kind}: these experts are not FP8")
         inter = self.intermediate_size
         if part == "gate":
             return self.gate_up_proj[expert, :inter]  # [I, H]
         if part == "up":
             return self.gate_up_proj[expert, inter:]  # [I, H]
         return self.down_proj[expert]  # [H, I]
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FP8 block multipliers for dispatch.moe_experts; None: the weights are in the model dtype."""
+        return None
+
+
+class Fp8Experts(Experts):
+    """Experts in block FP8 (hkv/models/fp8.py): float8_e4m3fn stacks and their 128 x 128 multipliers,
+    `gate_up_proj_scale_inv` [E, 2 * ceil(I/128), ceil(H/128)] (the gate's blocks, then the up's: each
+    half tiled alone, as the published per-expert tensors are) and `down_proj_scale_inv` [E, ceil(H/128),
+    ceil(I/128)]."""
+
+    STACKED = {**Experts.STACKED, "gate_up_proj_scale_inv": (("gate", "weight_scale_inv"), ("up", "weight_scale_inv")),
+               "down_proj_scale_inv": (("down", "weight_scale_inv"),)}
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size)
+        fp8 = torch.float8_e4m3fn
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj.to(fp8), requires_grad=False)
+        self.down_proj = nn.Parameter(self.down_proj.to(fp8), requires_grad=False)
+        blocks_i, blocks_h = -(-intermediate_size // 128), -(-hidden_size // 128)
+        self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(num_experts, 2 * blocks_i, blocks_h), requires_grad=False)
+        self.down_proj_scale_inv = nn.Parameter(torch.empty(num_experts, blocks_h, blocks_i), requires_grad=False)
+
+    def part(self, expert: int, part: str, kind: str = "weight") -> torch.Tensor:
+        if kind == "weight":
+            return super().part(expert, part)
+        half = self.gate_up_proj_scale_inv.shape[1] // 2
+        if part == "gate":
+            return self.gate_up_proj_scale_inv[expert, :half]
+        if part == "up":
+            return self.gate_up_proj_scale_inv[expert, half:]
+        return self.down_proj_scale_inv[expert]
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj_scale_inv, self.down_proj_scale_inv
 
 
 class SharedExpert(nn.Module):
@@ -82,7 +123,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = dispatch.moe_route(logits, self.top_k, self.renormalize)  # [T, k] each
         shared = self.shared_expert.down_proj(dispatch.silu_mul(gate, up))  # [T, H]
         return dispatch.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                                    shared, shared_gate)
+                                    shared, shared_gate, self.experts.scales())
 
 
 def moe_block(cfg, renormalize: bool) -> SparseMoeBlock:
@@ -103,7 +144,7 @@ class ExpertStacker:
 
     def __init__(self, model: nn.Module) -> None:
         self.experts: dict[str, Experts] = {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
-        self.seen: dict[str, set[tuple[int, str]]] = {n: set() for n in self.experts}
+        self.seen: dict[str, set[tuple[int, str, str]]] = {n: set() for n in self.experts}  # (expert, part, kind)
 
     def absorb(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in named_tensors:
@@ -112,33 +153,34 @@ class ExpertStacker:
                 yield name, tensor
                 continue
             module, expert, part = self.experts[match["module"]], int(match["expert"]), match["part"]
+            kind = match["kind"]
             if expert >= module.num_experts:
                 raise WeightLoadError(f"weight {name}: expert {expert} out of range (the layer has "
                                       f"{module.num_experts} experts)")
             seen = self.seen[match["module"]]
-            if (expert, part) in seen:
+            if (expert, part, kind) in seen:
                 raise WeightLoadError(f"weight {name} appears twice in the checkpoint")
-            target = module.part(expert, part)
+            target = module.part(expert, part, kind)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise WeightLoadError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape "
                                       f"{tuple(target.shape)}")
             with torch.no_grad():
                 target.copy_(tensor)
-            seen.add((expert, part))
+            seen.add((expert, part, kind))
 
     def complete(self) -> set[str]:
         """Stacked parameter names every one of whose experts came in per-expert tensors."""
         done = set()
         for prefix, module in self.experts.items():
-            for param, parts in _PARTS.items():
-                if all((e, p) in self.seen[prefix] for e in range(module.num_experts) for p in parts):
+            for param, parts in module.STACKED.items():
+                if all((e, *p) in self.seen[prefix] for e in range(module.num_experts) for p in parts):
                     done.add(f"{prefix}.{param}")
         return done
 
     def touched(self) -> set[str]:
         """Stacked parameter names that at least one per-expert tensor went into."""
-        return {f"{prefix}.{param}" for prefix, seen in self.seen.items() for param, parts in _PARTS.items()
-                if any(p in parts for _, p in seen)}
+        return {f"{prefix}.{param}" for prefix, seen in self.seen.items()
+                for param, parts in self.experts[prefix].STACKED.items() if any((p, k) in parts for _, p, k in seen)}
 
     def describe_missing(self, missing: list[str]) -> list[str]:
         """Missing parameter names, a stacked one replaced by the per-expert tensors it still lacks."""
@@ -146,9 +188,9 @@ class ExpertStacker:
         for name in missing:
             prefix, _, param = name.rpartition(".")
             module = self.experts.get(prefix)
-            if module is None or param not in _PARTS:
+            if module is None or param not in module.STACKED:
                 out.append(name)
                 continue
-            out += [f"{prefix}.{e}.{p}_proj.weight" for e in range(module.num_experts) for p in _PARTS[param]
-                    if (e, p) not in self.seen[prefix]]
+            out += [f"{prefix}.{e}.{p}_proj.{k}" for e in range(module.num_experts) for p, k in module.STACKED[param]
+                    if (e, p, k) not in self.seen[prefix]]
         return out

@@ -179,36 +179,65 @@ class Qwen3Attention(nn.Module):
 
 
 class FusedLinear(nn.Module):
-    """Several projections of the same input: separate GEMMs, or on CUDA one GEMM over their
-    weights concatenated (`fuse`), returning views of its output in the same order.
+    """Several projections of the same input: separate GEMMs, or on CUDA one GEMM per kind of part
+    (model-dtype parts together, block-FP8 parts together) over their weights concatenated along
+    the output dim (`fuse`), returning the parts' outputs (views) in the parts' order.
 
     The modules keep their parameters (checkpoint names and loading are unchanged): after
-    `fuse`, each weight (and bias) is a view of the concatenated one, so memory is not doubled.
+    `fuse`, each weight (bias, FP8 scales) is a view of the concatenated one, so memory is not doubled.
+    FP8 parts fuse only when every part but the last has a multiple of 128 output rows, so each
+    part's 128-row scale blocks stay whole in the concatenation; otherwise they run apart.
     CPU forwards never fuse, so their GEMMs and results stay exactly as transformers' are.
     """
 
-    def __init__(self, parts: tuple[nn.Linear, ...]) -> None:
+    def __init__(self, parts: tuple[nn.Module, ...]) -> None:
         super().__init__()
         self.parts = parts  # a plain tuple: the parameters stay registered on their owners only
-        self.weight: torch.Tensor | None = None  # [sum(out), in] once fused
-        self.bias: torch.Tensor | None = None
+        self.groups: list[tuple[tuple[int, ...], _FusedWeights]] = []  # (part indices, their fused weights)
         self.splits: list[int] = [p.out_features for p in parts]
 
     def fuse(self) -> None:
+        plain = tuple(i for i, p in enumerate(self.parts) if isinstance(p, nn.Linear))
+        fp8 = tuple(i for i in range(len(self.parts)) if i not in plain)
+        whole_blocks = all(self.splits[i] % 128 == 0 for i in fp8[:-1])
+        groups = [plain] + ([fp8] if whole_blocks else [(i,) for i in fp8])
         with torch.no_grad():
-            self.weight = torch.cat([p.weight for p in self.parts])
-            has_bias = [p.bias is not None for p in self.parts]
-            self.bias = torch.cat([p.bias for p in self.parts]) if all(has_bias) else None
-            for part, w in zip(self.parts, self.weight.split(self.splits)):
-                part.weight.data = w
-            if self.bias is not None:
-                for part, b in zip(self.parts, self.bias.split(self.splits)):
-                    part.bias.data = b
+            self.groups = [(g, _FusedWeights([self.parts[i] for i in g])) for g in groups if g]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.weight is None:
+        if not self.groups:
             return tuple(p(x) for p in self.parts)
-        return F.linear(x, self.weight, self.bias).split(self.splits, dim=-1)
+        outs: list[torch.Tensor | None] = [None] * len(self.parts)
+        for indices, fused in self.groups:
+            for i, y in zip(indices, fused(x).split([self.splits[i] for i in indices], dim=-1)):
+                outs[i] = y
+        return tuple(outs)
+
+
+class _FusedWeights:
+    """The concatenated weights (bias, FP8 block scales) of parts of one kind; the parts' parameters
+    become views of them."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.fp8 = hasattr(parts[0], "weight_scale_inv")
+        self.weight = torch.cat([p.weight for p in parts])  # [sum(out), in]
+        self.scale = torch.cat([p.weight_scale_inv for p in parts]) if self.fp8 else None
+        has_bias = [p.bias is not None for p in parts]
+        self.bias = torch.cat([p.bias for p in parts]) if all(has_bias) else None
+        splits = [p.out_features for p in parts]
+        for part, w in zip(parts, self.weight.split(splits)):
+            part.weight.data = w
+        if self.fp8:
+            for part, sc in zip(parts, self.scale.split([-(-n // 128) for n in splits])):
+                part.weight_scale_inv.data = sc
+        if self.bias is not None:
+            for part, b in zip(parts, self.bias.split(splits)):
+                part.bias.data = b
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return dispatch.fp8_linear(x, self.weight, self.scale, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Qwen3MLP(nn.Module):

@@ -80,3 +80,19 @@ def moe_align_ref(ids: torch.Tensor, num_experts: int, block: int) -> tuple[torc
         block_expert[used // block:used // block + blocks] = expert
         used += blocks * block
     return sorted_pairs, block_expert, used
+
+
+def dequantize_experts(w13: torch.Tensor, w2: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor],
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 stacked experts -> (w13 [E, 2I, H], w2 [E, H, I]) in `dtype` (hkv_kernels/fp8_gemm/reference.py).
+
+    scales: s13 [E, 2 * ceil(I/128), ceil(H/128)] (the gate half's blocks, then the up half's: each half
+    is tiled on its own, so I need not be a multiple of 128) and s2 [E, ceil(H/128), ceil(I/128)].
+    """
+    from hkv_kernels.fp8_gemm.reference import dequantize
+
+    s13, s2 = scales
+    inter, half = w13.shape[1] // 2, s13.shape[1] // 2
+    gate = dequantize(w13[:, :inter], s13[:, :half], dtype)
+    up = dequantize(w13[:, inter:], s13[:, half:], dtype)
+    return torch.cat([gate, up], dim=1), dequantize(w2, s2, dtype)

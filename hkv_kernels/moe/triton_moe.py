@@ -100,10 +100,10 @@ def _moe_sort_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, used_ptr
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_at,
+    x_ptr, w_ptr, s_ptr, act_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs, hidden, inter, up_rows,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(used_ptr):
@@ -118,6 +118,9 @@ def _moe_gate_up_kernel(
     x_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]  # [BM, BK]
     gate_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BK, BN]
     up_ptrs = gate_ptrs + inter * stride_wn
+    # FP8: each column's block-scale row, gate blocks first, then up_rows = ceil(I/128) rows later
+    gate_scales = s_ptr + expert * stride_se + (cols // 128).to(tl.int64) * stride_sn  # [BN]
+    up_scales = gate_scales + up_rows * stride_sn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -130,6 +133,9 @@ def _moe_gate_up_kernel(
             w_mask = k_ok[:, None] & col_ok[None, :]
             w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
             w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        if FP8:  # dequantized in registers, rounded as reference.dequantize rounds
+            w_gate = (w_gate.to(tl.float32) * tl.load(gate_scales + k0 // 128, mask=col_ok)[None, :]).to(a.dtype)
+            w_up = (w_up.to(tl.float32) * tl.load(up_scales + k0 // 128, mask=col_ok)[None, :]).to(a.dtype)
         acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
@@ -146,10 +152,10 @@ def _moe_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
-    act_ptr, w_ptr, route_ptr, y_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs, hidden, inter,
-    stride_at, stride_we, stride_wn, stride_yt,
+    act_ptr, w_ptr, s_ptr, route_ptr, y_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs, hidden, inter,
+    stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(used_ptr):
@@ -162,6 +168,7 @@ def _moe_down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + pair[:, None] * stride_at + ks[None, :]  # [BM, BK]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BK, BN]
+    scales = s_ptr + expert * stride_se + (cols // 128).to(tl.int64) * stride_sn  # [BN] (FP8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = ks < inter - k0
@@ -170,6 +177,8 @@ def _moe_down_kernel(
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if FP8:
+            w = (w.to(tl.float32) * tl.load(scales + k0 // 128, mask=col_ok)[None, :]).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -260,7 +269,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 def moe_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None, tile: MoeTile | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (+ sigmoid(shared_gate[t]) * shared[t]) (Triton).
 
@@ -269,6 +278,9 @@ def moe_experts(
     ids: [T, k] (int32 or int64) from moe_route; shared: [T, H] the shared expert's output
     (H contiguous) and shared_gate: [T, 1] its gate logit (may be a column of a wider GEMM), or both
     None; tile: override moe_tile (benchmark sweeps); out: optional [T, H] to write into.
+    scales: FP8 experts (w13, w2 float8_e4m3fn): their 128 x 128 block multipliers (fp32),
+    s13 [E, 2 * ceil(I/128), ceil(H/128)] (the gate's blocks, then the up's) and s2 [E, ceil(H/128),
+    ceil(I/128)]; the weights are dequantized in registers (hkv_kernels/fp8_gemm/reference.py).
     Returns out: [T, H] in x's dtype.
     """
     num_tokens, hidden = x.shape
@@ -276,33 +288,19 @@ def moe_experts(
     top_k = ids.shape[1]
     assert w13.shape == (num_experts, 2 * inter, hidden) and w2.shape == (num_experts, hidden, inter)
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    if scales is not None:
+        blocks_i, blocks_h = -(-inter // 128), -(-hidden // 128)
+        assert scales[0].shape == (num_experts, 2 * blocks_i, blocks_h)
+        assert scales[1].shape == (num_experts, blocks_h, blocks_i)
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
     num_pairs = num_tokens * top_k
     tile = tile or moe_tile(num_pairs, num_experts, x.dtype)
-    ids_flat = ids.reshape(-1)
-    route = weights.reshape(-1).contiguous()
-    sorted_pairs, block_expert, used = moe_align(ids_flat, num_experts, tile.block_m)
-    blocks = sorted_pairs.numel() // tile.block_m
-    precision = dot_precision(x.dtype)
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = tile.gate_up
-    _moe_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
-        x, w13, act, sorted_pairs, block_expert, used, num_pairs, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN=hidden % bk == 0 and inter % bn == 0,
-        PRECISION=precision, num_warps=warps, num_stages=stages,
-    )
-    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = tile.down
-    _moe_down_kernel[(blocks, triton.cdiv(hidden, bn))](
-        act, w2, route, y, sorted_pairs, block_expert, used, num_pairs, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN=inter % bk == 0 and hidden % bn == 0,
-        PRECISION=precision, num_warps=warps, num_stages=stages,
-    )
+    sorted_pairs, block_expert, used = moe_align(ids.reshape(-1), num_experts, tile.block_m)
+    routing = (weights.reshape(-1).contiguous(), sorted_pairs, block_expert, used)
+    y = _grouped_gemms(x, w13, w2, scales, routing, tile, top_k)
     with_shared = shared is not None
     if with_shared:
         assert shared.stride(1) == 1 and shared_gate is not None
@@ -313,3 +311,33 @@ def moe_experts(
         TOP_K=top_k, BLOCK_H=block_h, SHARED=with_shared, num_warps=4,
     )
     return out
+
+
+def _grouped_gemms(x, w13, w2, scales, routing, tile: MoeTile, top_k: int) -> torch.Tensor:
+    """The gate|up and down GEMMs over the sorted pairs: y [T*k, H], each pair's row times its route weight."""
+    route, sorted_pairs, block_expert, used = routing
+    num_pairs, hidden, inter = x.shape[0] * top_k, x.shape[1], w2.shape[2]
+    blocks = sorted_pairs.numel() // tile.block_m
+    precision = dot_precision(x.dtype)
+    fp8 = scales is not None
+    s13, s2 = scales if fp8 else (w13, w2)  # placeholders the kernels never read without FP8
+    sstride = (lambda s: (s.stride(0), s.stride(1))) if fp8 else (lambda s: (0, 0))
+    if fp8:
+        assert 128 % tile.gate_up[1] == 0 and 128 % tile.down[1] == 0, "a K step must stay inside a scale block"
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = tile.gate_up
+    _moe_gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
+        x, w13, s13, act, sorted_pairs, block_expert, used, num_pairs, hidden, inter, -(-inter // 128),
+        x.stride(0), w13.stride(0), w13.stride(1), *sstride(s13), act.stride(0),
+        TOP_K=top_k, BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN=hidden % bk == 0 and inter % bn == 0,
+        PRECISION=precision, FP8=fp8, num_warps=warps, num_stages=stages,
+    )
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = tile.down
+    _moe_down_kernel[(blocks, triton.cdiv(hidden, bn))](
+        act, w2, s2, route, y, sorted_pairs, block_expert, used, num_pairs, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), *sstride(s2), y.stride(0),
+        BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN=inter % bk == 0 and hidden % bn == 0,
+        PRECISION=precision, FP8=fp8, num_warps=warps, num_stages=stages,
+    )
+    return y

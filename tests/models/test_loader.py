@@ -204,8 +204,11 @@ def test_config_problems(saved, tmp_path):
     config_path.write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*supported: .*qwen3"):
         load_model(folder, "float32", "cpu")
-    config_path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(ModelLoadError, match="quantized checkpoints are not supported"):
+    config_path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}}))
+    with pytest.raises(ModelLoadError, match="quant_method 'bitsandbytes' is not supported"):
+        load_model(folder, "float32", "cpu")
+    config_path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))  # no block size
+    with pytest.raises(ModelLoadError, match="weight_block_size None"):
         load_model(folder, "float32", "cpu")
     config_path.write_text("{not json")
     with pytest.raises(ModelLoadError, match="not valid JSON"):

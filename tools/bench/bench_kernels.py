@@ -1,6 +1,6 @@
 """Kernel benchmark on one CUDA GPU: every hkv kernel against the ceilings and the best baseline.
 
-    python3 -m tools.bench.bench_kernels [--json out.json] [--only decode,prefill,moe,...]
+    python3 -m tools.bench.bench_kernels [--json out.json] [--only decode,prefill,moe,fp8,...]
 
 (as a module: tools/inspect.py would shadow the standard library run as a script).
 
@@ -461,6 +461,13 @@ def bench_moe() -> None:
     run(row, bench)
 
 
+def bench_fp8() -> None:
+    """Block-FP8 GEMMs (hkv's Triton kernel, torch's block-scaled scaled_mm) against bf16 (tools/bench/bench_fp8_kernels.py)."""
+    from tools.bench.bench_fp8_kernels import bench_fp8 as run
+
+    run(row, bench)
+
+
 def bench_moe_sweep() -> None:
     from tools.bench.bench_moe_kernels import bench_moe_sweep as run
 
@@ -471,7 +478,7 @@ SECTIONS = {
     "sweep": bench_sweep, "gemm": bench_gemm, "decode_short": bench_decode_short,
     "decode": bench_decode_attention, "prefill": bench_prefill_attention, "gdn_prefill": bench_gdn_prefill,
     "gdn_decode": bench_gdn_decode, "conv": bench_conv1d, "copy": bench_cache_copies, "fused": bench_fused_ops,
-    "moe": bench_moe, "moe_sweep": bench_moe_sweep,
+    "moe": bench_moe, "moe_sweep": bench_moe_sweep, "fp8": bench_fp8,
 }
 
 

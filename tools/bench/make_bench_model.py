@@ -32,6 +32,13 @@ attention, 7.21 B parameters, 14.4 GB in bf16); it has no MTP layer. --experts,
 shapes and 16 layers (12 GDN + 4 gated attention): hidden 5120, MLP 17408, 24 query / 4 KV heads of 256,
 GDN 16 key / 48 value heads of 128, vocab 248,320, untied embeddings, one MTP layer; 8.63 B parameters
 (17.3 GB in bf16) besides the MTP layer's. The shrinking flags apply to it as to the default model.
+
+    python -m tools.bench.make_bench_model OUT_DIR --fp8 [--moe | --preset ...]
+
+`--fp8` writes any of them block-quantized as Qwen publishes its `-FP8` checkpoints: the same bf16
+draws, each projection `--quantize fp8` quantizes stored as float8_e4m3fn with a `weight_scale_inv`
+per 128 x 128 block (experts per expert), config.json's quantization_config listing the modules left
+in bf16 (lm_head, routers and shared-expert gates, GDN a/b projections, the MTP fc).
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from hkv.models.fp8 import quantize_stream
 from hkv.models.tiny import ENDOFTEXT, IM_END, SPECIAL_TOKENS, build_tokenizer, qwen3_5_text_config, tokenizer_config
+from tools.fp8_checkpoint import fp8_targets, quantization_config
 
 FULL_ATTENTION_INTERVAL = 4
 DEFAULTS = dict(layers=24, hidden_size=2048, intermediate_size=6144, vocab_size=151_936)
@@ -260,8 +269,10 @@ def _write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_weights(out_dir: Path, specs: list[TensorSpec], seed: int, shard_bytes: int, progress: bool) -> None:
-    """Sharded bf16 safetensors plus model.safetensors.index.json; one shard in memory at a time."""
+def write_weights(out_dir: Path, specs: list[TensorSpec], seed: int, shard_bytes: int, progress: bool,
+                  fp8=None) -> None:
+    """Sharded bf16 safetensors plus model.safetensors.index.json; one shard in memory at a time.
+    fp8: an hkv.models.fp8.Fp8Targets: those weights are written block-quantized (the published layout)."""
     shards = plan_shards(specs, shard_bytes)
     weight_map = {}
     bar = tqdm(total=sum(s.numel for s in specs), unit="param", unit_scale=True, desc="weights",
@@ -271,14 +282,15 @@ def write_weights(out_dir: Path, specs: list[TensorSpec], seed: int, shard_bytes
         for number, shard in enumerate(shards, start=1):
             file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
             tensors = {}
-            for spec, tensor in zip(shard, pool.map(lambda spec: make_tensor(spec, seed), shard)):
-                tensors[spec.name] = tensor
-                weight_map[spec.name] = file_name
-                bar.update(spec.numel)
+            drawn = ((spec.name, t) for spec, t in zip(shard, pool.map(lambda spec: make_tensor(spec, seed), shard)))
+            for name, tensor in (drawn if fp8 is None else quantize_stream(drawn, fp8)):
+                tensors[name] = tensor
+                weight_map[name] = file_name
+            bar.update(sum(spec.numel for spec in shard))
             save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
             del tensors
     bar.close()
-    total = sum(s.numel for s in specs) * BYTES_PER_PARAM
+    total = sum((out_dir / f).stat().st_size for f in set(weight_map.values()))
     _write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total},
                                                             "weight_map": weight_map})
 
@@ -300,10 +312,11 @@ def load_tokenizer(path: Path | None) -> Tokenizer:
 
 def write_bench_model(out_dir: Path, seed: int = 0, shard_gb: float = 2.0, progress: bool = True,
                       moe: bool = False, tokenizer: Path | None = None, preset: str | None = None,
-                      **dims: int) -> dict:
+                      fp8: bool = False, **dims: int) -> dict:
     """Write the benchmark model (moe: the MoE one; preset: a PRESETS shape) into out_dir (created; must be
     empty); dims override DEFAULTS (MOE_DEFAULTS, the preset's); tokenizer: a tokenizer.json to ship instead of
-    the built-in one. Returns its config."""
+    the built-in one; fp8: its block-FP8 variant in the published layout (tools/fp8_checkpoint.py: the
+    projections --quantize fp8 quantizes, from the same bf16 draws). Returns its config."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} is not empty")
@@ -321,8 +334,13 @@ def write_bench_model(out_dir: Path, seed: int = 0, shard_gb: float = 2.0, progr
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(tok))
     _write_json(out_dir / "generation_config.json",
                 {"bos_token_id": eot, "eos_token_id": [im_end, eot], "pad_token_id": eot})
+    specs = tensor_specs(config)
+    targets = None
+    if fp8:
+        targets, kept = fp8_targets(config, [spec.name for spec in specs])
+        config = {**config, "quantization_config": quantization_config(kept)}
     _write_json(out_dir / "config.json", config)
-    write_weights(out_dir, tensor_specs(config), seed, int(shard_gb * 1e9), progress)
+    write_weights(out_dir, specs, seed, int(shard_gb * 1e9), progress, targets)
     return config
 
 
@@ -342,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="a named shape instead of the 1.99 B model: qwen3.5-27b is Qwen3.5-27B's layers, 16 of "
                         "them (default: none)")
+    p.add_argument("--fp8", action="store_true",
+                   help="write the model's block-FP8 variant in the published layout (float8_e4m3fn weights with "
+                        "a weight_scale_inv per 128 x 128 block, quantization_config listing the modules left in "
+                        "bf16) (default: bf16)")
     p.add_argument("--shard-gb", type=float, default=2.0, help="safetensors shard size in GB (default: 2.0)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="a tokenizer.json (with <|endoftext|>, <|im_start|>, <|im_end|>) to ship instead of the "
@@ -361,12 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--experts-per-token {dims['experts_per_token']} exceeds --experts {dims['experts']}")
     try:
         config = write_bench_model(args.out_dir, args.seed, args.shard_gb, not args.no_progress, args.moe,
-                                   args.tokenizer, args.preset, **dims)
+                                   args.tokenizer, args.preset, args.fp8, **dims)
     except (FileExistsError, ValueError) as exc:
         p.error(str(exc))
     count = parameter_count(config)
+    on_disk = sum(f.stat().st_size for f in args.out_dir.glob("*.safetensors"))
     print(f"{args.out_dir}: {count:,} parameters ({count / 1e9:.2f} B), "
-          f"{count * BYTES_PER_PARAM / 1e9:.2f} GB in bf16")
+          f"{on_disk / 1e9:.2f} GB in {'FP8 (bf16 where left out)' if args.fp8 else 'bf16'}")
     return 0
 
 

@@ -161,3 +161,29 @@ def test_preset_shrunk_loads_alike_in_hkv_and_transformers(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([str(tmp_path / "q"), "--preset", "qwen3.5-27b", "--moe"])
     assert exc.value.code == 2 and "--preset and --moe" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [[], ["--moe", "--experts", "4", "--experts-per-token", "2",
+                                        "--moe-intermediate-size", "136", "--shared-expert-intermediate-size", "128"]],
+                         ids=["dense", "moe"])
+def test_fp8_variant_is_the_published_layout_of_the_same_draws(tmp_path, flags):
+    """--fp8: the bf16 model's projections block-quantized (same draws), loaded by hkv as FP8, equal to
+    hkv's load of the bf16 model with --quantize fp8."""
+    from hkv.models.fp8 import Fp8Linear
+
+    small = ["--layers", "4", "--hidden-size", "160", "--intermediate-size", "256", "--vocab-size", "2048"]
+    assert main([str(tmp_path / "bf16"), *small, *flags, "--no-progress"]) == 0
+    assert main([str(tmp_path / "fp8"), *small, *flags, "--fp8", "--no-progress"]) == 0
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    quant = config["quantization_config"]
+    assert (quant["quant_method"], quant["weight_block_size"]) == ("fp8", [128, 128])
+    assert any(m.endswith("in_proj_a") or m.endswith("in_proj_ba") for m in quant["modules_to_not_convert"])
+    index = json.loads((tmp_path / "fp8" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.linear_attn.out_proj.weight_scale_inv" in index
+    if flags:
+        assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in index
+    fp8 = load_model(tmp_path / "fp8", "float32", "cpu").model
+    quantized = dict(load_model(tmp_path / "bf16", "float32", "cpu", quantize="fp8").model.named_parameters())
+    assert any(isinstance(m, Fp8Linear) for m in fp8.modules())
+    for name, param in fp8.named_parameters():
+        assert param.dtype == quantized[name].dtype and torch.equal(param.float(), quantized[name].float()), name
