@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from hkv.config import ModelSpec
+from hkv.models.parallel import ShardPlan, TPConfigError, TPGroup, apply_tp, shard_config
 from hkv.models.registry import resolve_family
 from hkv.models.tokenizer import Tokenizer, tool_call_format
 
@@ -119,17 +120,21 @@ def find_weight_shards(folder: Path) -> list[WeightShard]:
     return shards
 
 
-def iter_tensors(shards: list[WeightShard], progress: Callable[[], None] | None = None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(shards: list[WeightShard], progress: Callable[[], None] | None = None,
+                 plan: ShardPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of every shard; `progress()` after each (a rank's start-up
-    report), else a progress bar on a terminal."""
+    report), else a progress bar on a terminal. plan: a tensor-parallel rank's shard plan; only its
+    slice of each split tensor is read."""
     total = sum(len(s.tensor_names) for s in shards)
     with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr,
               disable=True if progress is not None else None) as bar:
         for shard in shards:
             with safe_open(str(shard.path), framework="pt", device="cpu") as f:
                 for name in shard.tensor_names:
-                    tensor = f.get_tensor(name)
+                    try:
+                        tensor = f.get_tensor(name) if plan is None else plan.read(f, name)
+                    except TPConfigError as exc:
+                        raise ModelLoadError(f"{shard.path.name}: tensor {name}: {exc}") from None
                     if tensor.dtype not in _FLOAT_DTYPES:
                         raise ModelLoadError(
                             f"{shard.path.name}: tensor {name} has dtype {tensor.dtype}; "
@@ -209,21 +214,26 @@ def _write_digest_cache(cache: Path, entries: dict[str, str]) -> None:
         pass
 
 
-def _build_empty(family: type, cfg: object, dtype: torch.dtype, device: str, mtp: bool = False) -> torch.nn.Module:
+def _build_empty(family: type, cfg: object, dtype: torch.dtype, device: str, mtp: bool = False,
+                 tp: TPGroup | None = None) -> torch.nn.Module:
     # construct without allocating or initializing, then allocate once on the target device
     with torch.device("meta"):
-        model = family(cfg)
+        model = family(cfg if tp is None else shard_config(cfg, tp.size))
         if mtp:
             model.enable_mtp()
+        if tp is not None:
+            apply_tp(model, tp, cfg.vocab_size)
     return model.to(dtype=dtype).to_empty(device=device)
 
 
 def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
-               progress: Callable[[], None] | None = None) -> LoadedModel:
+               progress: Callable[[], None] | None = None, tp: TPGroup | None = None) -> LoadedModel:
     """Build the checkpoint's model family on `device` in `dtype` and load its weights
     (with mtp=True also its MTP module, `mtp.*`, for speculative decoding).
 
     progress: called after each tensor is read (of `weight_tensors(path)`; a rank's start-up phase).
+    tp: this rank's tensor-parallel group (torch.distributed initialized): the model gets the rank's
+    heads and widths (hkv/models/parallel.py) and only the rank's slices are read.
 
     dtype: float32 | bfloat16 | float16 (resolved, never "auto"). Raises ModelLoadError for
     a missing folder/config/weights/shard or unsupported tensors, ValueError for an
@@ -236,8 +246,9 @@ def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
     family = resolve_family(hf_config)
     cfg = family.config_class.from_hf(hf_config)
     shards = find_weight_shards(folder)
-    model = _build_empty(family, cfg, TORCH_DTYPES[dtype], device, mtp)
-    model.load_weights(iter_tensors(shards, progress))
+    model = _build_empty(family, cfg, TORCH_DTYPES[dtype], device, mtp, tp)
+    plan = None if tp is None else ShardPlan(family.shard_rules(cfg), tp.rank, tp.size)
+    model.load_weights(iter_tensors(shards, progress, plan))
     model.eval()
     model.prepare_for_device()  # CUDA: fused projections (views of one weight; CPU: nothing)
     return LoadedModel(model=model, hf_config=hf_config)
