@@ -254,6 +254,13 @@ def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
     return LoadedModel(model=model, hf_config=hf_config)
 
 
+def check_tp(path: str | Path, tp: int) -> None:
+    """Raise TPConfigError (a ValueError) when `tp` ranks cannot split the checkpoint's heads and widths."""
+    hf_config = read_hf_config(Path(path))
+    family = resolve_family(hf_config)
+    shard_config(family.config_class.from_hf(hf_config), tp)
+
+
 def weight_tensors(path: str | Path) -> int:
     """Tensors in the folder's safetensors files (their headers), what `load_model` reads."""
     return sum(len(shard.tensor_names) for shard in find_weight_shards(Path(path)))
@@ -307,16 +314,18 @@ def mtp_layers(path: str | Path) -> int:
     return len({n.split(".")[2] for n in names if n.startswith("mtp.layers.")})
 
 
-def meta_model(path: str | Path) -> torch.nn.Module:
-    """The checkpoint's model family built on the meta device: layouts without weights or memory."""
-    return meta_model_of(read_hf_config(Path(path)))
+def meta_model(path: str | Path, tp: int = 1) -> torch.nn.Module:
+    """The checkpoint's model family built on the meta device: layouts without weights or memory
+    (one rank's of `tp`)."""
+    return meta_model_of(read_hf_config(Path(path)), tp)
 
 
-def meta_model_of(hf_config: dict) -> torch.nn.Module:
-    """The model family of a config.json dict, on the meta device (nothing allocated)."""
+def meta_model_of(hf_config: dict, tp: int = 1) -> torch.nn.Module:
+    """The model family of a config.json dict, on the meta device (nothing allocated); with tp > 1
+    one rank's shard of it (its heads and widths, hkv/models/parallel.py)."""
     family = resolve_family(hf_config)
     with torch.device("meta"):
-        return family(family.config_class.from_hf(hf_config))
+        return family(shard_config(family.config_class.from_hf(hf_config), tp))
 
 
 def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, device: str,

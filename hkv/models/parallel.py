@@ -64,6 +64,28 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
+def join_group(rank: int, size: int, device: str, store_path: str, timeout_s: float = 600.0) -> TPGroup:
+    """Join the instance's tensor-parallel group: NCCL on CUDA (rank r on GPU r), gloo on CPU; the
+    rendezvous is a file store in the instance's private run directory (no port to pick or guard)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store_path}",
+                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+    return TPGroup(rank, size)
+
+
+def leave_group() -> None:
+    """Tear the group down at the rank's exit (nothing when none was joined)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # per-rank counts: config field -> how it divides (KV heads may instead be replicated)
 _DIVIDED = ("num_attention_heads", "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
             "moe_intermediate_size", "shared_expert_intermediate_size")
