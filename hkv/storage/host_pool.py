@@ -247,7 +247,8 @@ class HostPool:
         if lay.num_states:
             # [S, block floats]: each checkpoint is the first state_bytes of its block
             blocks = torch.frombuffer(self.buffer, dtype=torch.float32, count=lay.nbytes // 4).view(lay.num_states, -1)
-            blocks = blocks[:, rank * lay.rank_state_bytes // 4 :]  # this rank's shard of each checkpoint            conv = blocks[:, : lay.conv_numel].view(lay.num_states, lay.lin_layers, lay.conv_dim, lay.conv_width)
+            blocks = blocks[:, rank * lay.rank_state_bytes // 4 :]  # this rank's shard of each checkpoint
+            conv = blocks[:, : lay.conv_numel].view(lay.num_states, lay.lin_layers, lay.conv_dim, lay.conv_width)
             rec = blocks[:, lay.conv_numel : lay.conv_numel + lay.recurrent_numel]
             rec = rec.view(lay.num_states, lay.lin_layers, lay.v_heads, lay.k_dim, lay.v_dim)
             self.conv = conv.transpose(0, 1)  # [lin, S, conv_dim, width]
