@@ -240,13 +240,15 @@ def builtin_cache_dir() -> str:
 
 def _not_built_yet(args: argparse.Namespace) -> list[str]:
     """Flags whose features have not landed: refusing them beats silently ignoring them."""
-    given = {
-        "--tp": args.tp != 1,
-    }
+    given: dict[str, bool] = {}
     return [flag for flag, set_ in given.items() if set_]
 
 
 def _check_combinations(args: argparse.Namespace) -> None:
+    if args.tp > 1 and args.mode in ("prefill", "decode"):
+        raise ConfigError(f"--tp {args.tp}: prefill/decode instances run one rank (--tp 1) so far")
+    if args.tp > 1 and args.quantize != "none":
+        raise ConfigError(f"--tp {args.tp} with --quantize {args.quantize}: FP8 weights run on one rank (--tp 1) so far")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.max_total_tokens is not None and args.max_total_tokens % args.page_size:
@@ -315,6 +317,18 @@ def _describe(path: str) -> ModelSpec:
         return describe_model(path)
     except (OSError, ValueError) as exc:  # ModelLoadError, TokenizerError and family parse errors are ValueErrors
         raise ConfigError(f"--model {path}: {exc}") from None
+
+
+def _check_tp(args: argparse.Namespace, path: str) -> None:
+    """--tp N against the model's heads and widths and the other flags (exit 2, before any rank starts)."""
+    if args.tp == 1:
+        return
+    from hkv.models.loader import check_tp
+
+    try:
+        check_tp(path, args.tp)
+    except ValueError as exc:
+        raise ConfigError(f"--model {args.model}: {exc}") from None
 
 
 def _resolve_checkpoints(
@@ -541,6 +555,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     path = _resolve_model_path(args.model, cache_dir)
     spec = _describe(path)
     _check_spec(args, spec, path)
+    _check_tp(args, path)
     dtype = _resolve_dtype(args.dtype, device, spec.declared_dtype)
     name = args.name or f"hkv{args.port}"
     on_cpu = device == "cpu"

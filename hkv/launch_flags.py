@@ -28,9 +28,6 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-PENDING = "Not implemented yet: giving it exits 2."
-
-
 def _model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny-hybrid",
@@ -46,7 +43,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                         "it); embeddings, lm_head, norms, MoE routers and gates and the GDN a/b projections keep "
                         "--dtype (default: none)")
     g.add_argument("--tp", type=_positive_int, default=1,
-                   help=f"tensor-parallel ranks (default: 1). Values above 1: {PENDING.lower()}")
+                   help="tensor-parallel ranks, one process (and on cuda one GPU) each, sharing every step; N "
+                        "must divide the model's attention, GDN key and value heads and MLP widths, and divide "
+                        "or be a multiple of its KV heads; not with --mode prefill|decode (default: 1)")
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the ranks' torch generators; sampling seeds are per request (default: 0)")
     g.add_argument("--compile-cache-dir", default=None,

@@ -295,12 +295,12 @@ def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
     from hkv.storage.host_pool import HostLayout
 
     c = cfg.cache
-    model = meta_model(cfg.model.path)
+    model = meta_model(cfg.model.path, cfg.model.tp)  # one rank's layouts: an entry holds every rank's shard
     draft = draft_spec(model, cfg.spec.draft_window) if cfg.spec.spec_tokens > 0 else None
     kv = model.kv_layout(1, c.page_size, cfg.model.kv_cache_dtype, "cpu")
     kv, _ = with_paged_draft(model, kv, draft)
     state = model.state_layout(1, device="cpu", dtype="float32") if c.hybrid else None
-    layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), draft)
+    layout = HostLayout.for_model(kv, state, int(c.cpu_cache_gb * 2**30), draft, tp=cfg.model.tp)
     digests = Path(cfg.builtin_cache_dir) / "weights-digests.json"  # a checkpoint is hashed once, not every start
     # the KV dtype is part of the key (cache_dtype_name): FP8 pages never meet model-dtype pages
     fingerprint = cache_fingerprint(cfg.model.path, cfg.model.cache_dtype_name, c.page_size, cfg.model.tp,

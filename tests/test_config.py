@@ -36,15 +36,18 @@ def test_help_groups_the_flags():
     for group in ("model:", "cache:", "tiers:", "scheduling:", "server:", "prefill/decode disaggregation:",
                   "security:"):
         assert group in text
-    pending = {"--tp"}
+    pending: set[str] = set()
     for action in _flags():
         said = "not implemented yet" in action.help.lower()
         assert said == (action.option_strings[0] in pending), action.option_strings[0]
 
 
-@pytest.mark.parametrize("argv", [["--tp", "2"]])
-def test_flags_not_built_yet_are_refused(argv):
-    with pytest.raises(ConfigError, match=f"not implemented yet: {argv[0]}"):
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "3"], "--tp 3 does not divide the model's 4 attention heads"),
+    (["--tp", "2", "--mode", "prefill", "--secret-file", "x"], "prefill/decode instances run one rank"),
+])
+def test_tp_the_model_or_mode_cannot_take_is_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
         parse_cli(["--device", "cpu", *argv])
 
 

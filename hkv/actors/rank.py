@@ -31,12 +31,14 @@ from hkv.ipc.startup import StartupProgress, describe
 log = logging.getLogger("hkv.rank")
 PLAN_SPIN_S = 0.002
 POLL_S = 20e-6  # between looks at the socket and the device while a step runs
+TP_STORE = "tp_store"  # the tensor-parallel group's rendezvous file, in the run directory
 
 
 def _build_runner(cfg: HkvConfig, table: request_table.RequestTable,
-                  startup: StartupReporter) -> tuple[ModelRunner, int, int]:
+                  startup: StartupReporter, rank: int = 0) -> tuple[ModelRunner, int, int]:
     """Load the model, size and allocate its pools, compile the prefill kernels, capture the CUDA graphs,
-    each a start-up phase of `startup`; (runner, usable KV pages, usable state slots)."""
+    each a start-up phase of `startup`; (runner, usable KV pages, usable state slots). With --tp N the
+    rank joins its group first and holds its shard of every weight and pool (hkv/models/parallel.py)."""
     import torch
 
     from hkv.engine import spec
@@ -46,7 +48,7 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable,
     if not on_cuda:
         torch.set_num_threads(cfg.model.cpu_threads)
     drafting = cfg.spec.spec_tokens > 0
-    model, kv_scales = _load_weights(cfg, drafting, startup)
+    model, kv_scales = _load_weights(cfg, drafting, startup, _join_tp(cfg, rank, startup))
     # on CUDA one more page and state slot than the router hands out: padded graph rows write there
     extra = 1 if on_cuda else 0
     draft = spec.draft_spec(model, cfg.spec.draft_window) if drafting else None
@@ -72,14 +74,26 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable,
     return runner, pages, slots
 
 
-def _load_weights(cfg: HkvConfig, drafting: bool, startup: StartupReporter):
-    """(the model with its weights on the device, the checkpoint's FP8 KV scales by model layer), a
-    start-up phase, a part per tensor."""
+def _join_tp(cfg: HkvConfig, rank: int, startup: StartupReporter):
+    """This rank's tensor-parallel group (None at --tp 1): every rank of the instance joins before loading."""
+    if cfg.model.tp == 1:
+        return None
+    from hkv.models.parallel import join_group
+
+    with startup.phase("joining the tensor-parallel group"):
+        group = join_group(rank, cfg.model.tp, cfg.model.device, os.path.join(cfg.run_dir, TP_STORE))
+    log.info("rank %d of %d joined the tensor-parallel group", rank, cfg.model.tp)
+    return group
+
+
+def _load_weights(cfg: HkvConfig, drafting: bool, startup: StartupReporter, tp=None):
+    """(the model with its weights on the device, this rank's shard under --tp; the checkpoint's FP8 KV
+    scales by model layer), a start-up phase, a part per tensor."""
     from hkv.models.loader import load_model, weight_tensors
 
     with startup.phase("loading weights", weight_tensors(cfg.model.path), "tensors") as phase:
         loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, mtp=drafting, progress=phase.advance,
-                            quantize=cfg.model.quantize)
+                            quantize=cfg.model.quantize, tp=tp)
         model = loaded.model
         phase.hold(cfg.server.startup_stall_s)  # fault injection: tests see the instance starting
     sizing.log_weight_bytes(model, cfg.model.dtype)
@@ -221,12 +235,16 @@ def _write_pools_doc(cfg: HkvConfig, doc: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
-    """Map the CPU tier's shm pool (pinned on CUDA) so tier copies reach it; returns its region."""
+def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner, rank: int = 0):
+    """Map the CPU tier's shm pool (pinned on CUDA) so tier copies reach it (this rank's shard of each
+    entry under --tp); returns its region."""
     from hkv.ipc.tier_regions import attach_pool
     from hkv.storage.host_pool import HostPool, draft_part
 
     region, layout, _ = attach_pool(cfg.server.name)
+    if layout.tp != cfg.model.tp:
+        region.close()
+        raise ValueError(f"the CPU tier holds shards of {layout.tp} ranks, this instance runs --tp {cfg.model.tp}")
     expect = runner.kv.layout
     if (layout.kv_layers, layout.page_size, layout.kv_heads, layout.head_dim, layout.kv_dtype) != (
         expect.num_layers, expect.page_size, expect.kv_heads, expect.head_dim, expect.dtype
@@ -245,7 +263,7 @@ def _attach_host_pool(cfg: HkvConfig, runner: ModelRunner):
     elif layout.lin_layers:
         region.close()
         raise ValueError(f"the CPU tier's layout {layout.descriptor} has states, the rank has no state pool")
-    runner.host = HostPool(layout, region.payload)
+    runner.host = HostPool(layout, region.payload, rank)
     if cfg.model.device == "cuda" and layout.nbytes:
         import torch
 
@@ -294,9 +312,9 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
     startup = _startup_reporter(ctx)
     try:
         try:  # in threads, which SIGTERM stops at their next start-up report
-            runner, pages, slots = await asyncio.to_thread(_build_runner, cfg, table, startup)
+            runner, pages, slots = await asyncio.to_thread(_build_runner, cfg, table, startup, ctx.rank)
             if cfg.cache.tiers:
-                host_region = _attach_host_pool(cfg, runner)
+                host_region = _attach_host_pool(cfg, runner, ctx.rank)
                 if cfg.model.device == "cuda":
                     await asyncio.to_thread(_warm_tier_loads, runner, startup)
         except StartupStopped:
@@ -315,6 +333,10 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         await outbox.aclose()
         table.release_views()
         region.close()
+        if cfg.model.tp > 1:
+            from hkv.models.parallel import leave_group
+
+            leave_group()
         if host_region is not None:
             runner.host.release()
             host_region.close()

@@ -26,6 +26,7 @@ from hkv.models.kv_scales import KVScaleError, KVScaleReader
 from hkv.models.fp8 import (
     QuantizationError, checkpoint_fp8, checkpoint_targets, convert_to_fp8, quantize_stream, quantize_targets,
 )
+from hkv.models.parallel import ShardPlan, TPConfigError, TPGroup, apply_tp, shard_config
 from hkv.models.registry import resolve_family
 from hkv.models.tokenizer import Tokenizer, tool_call_format
 
@@ -129,11 +130,12 @@ def find_weight_shards(folder: Path) -> list[WeightShard]:
     return shards
 
 
-def iter_tensors(shards: list[WeightShard], progress: Callable[[], None] | None = None, fp8: bool = False
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(shards: list[WeightShard], progress: Callable[[], None] | None = None, fp8: bool = False,
+                 plan: ShardPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of every shard; `progress()` after each (a rank's start-up
     report), else a progress bar on a terminal. fp8: float8_e4m3fn tensors are accepted too (an FP8
-    checkpoint's weights)."""
+    checkpoint's weights). plan: a tensor-parallel rank's shard plan; only its slice of each split
+    tensor is read."""
     allowed = _FP8_DTYPES if fp8 else _FLOAT_DTYPES
     total = sum(len(s.tensor_names) for s in shards)
     with tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr,
@@ -141,7 +143,10 @@ def iter_tensors(shards: list[WeightShard], progress: Callable[[], None] | None 
         for shard in shards:
             with safe_open(str(shard.path), framework="pt", device="cpu") as f:
                 for name in shard.tensor_names:
-                    tensor = f.get_tensor(name)
+                    try:
+                        tensor = f.get_tensor(name) if plan is None else plan.read(f, name)
+                    except TPConfigError as exc:
+                        raise ModelLoadError(f"{shard.path.name}: tensor {name}: {exc}") from None
                     if tensor.dtype not in allowed:
                         raise ModelLoadError(
                             f"{shard.path.name}: tensor {name} has dtype {tensor.dtype}; only float16/bfloat16/"
@@ -221,23 +226,30 @@ def _write_digest_cache(cache: Path, entries: dict[str, str]) -> None:
         pass
 
 
-def _build_meta(family: type, cfg: object, dtype: torch.dtype, mtp: bool = False) -> torch.nn.Module:
-    # construct without allocating or initializing (allocated once on the target device by to_empty)
+def _build_meta(family: type, cfg: object, dtype: torch.dtype, mtp: bool = False,
+                tp: TPGroup | None = None) -> torch.nn.Module:
+    # construct without allocating or initializing (allocated once on the target device by to_empty);
+    # under --tp with this rank's heads and widths
     with torch.device("meta"):
-        model = family(cfg)
+        model = family(cfg if tp is None else shard_config(cfg, tp.size))
         if mtp:
             model.enable_mtp()
+        if tp is not None:
+            apply_tp(model, tp, cfg.vocab_size)
     return model.to(dtype=dtype)
 
 
 def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
-               progress: Callable[[], None] | None = None, quantize: str = "none") -> LoadedModel:
+               progress: Callable[[], None] | None = None, quantize: str = "none",
+               tp: TPGroup | None = None) -> LoadedModel:
     """Build the checkpoint's model family on `device` in `dtype` and load its weights
     (with mtp=True also its MTP module, `mtp.*`, for speculative decoding).
 
     progress: called after each tensor is read (of `weight_tensors(path)`; a rank's start-up phase).
     quantize: "fp8" quantizes a float checkpoint's projections at load into 128 x 128 block FP8
     (hkv/models/fp8.py); an FP8 checkpoint (quantization_config) loads its FP8 weights as they are.
+    tp: this rank's tensor-parallel group (torch.distributed initialized): the model gets the rank's
+    heads and widths (hkv/models/parallel.py) and only the rank's slices are read.
 
     dtype: float32 | bfloat16 | float16 (resolved, never "auto"): activations and the unquantized
     weights. Raises ModelLoadError for a missing folder/config/weights/shard or unsupported tensors,
@@ -252,9 +264,10 @@ def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
     family = resolve_family(hf_config)
     cfg = family.config_class.from_hf(hf_config)
     shards = find_weight_shards(folder)
-    model = _build_meta(family, cfg, TORCH_DTYPES[dtype], mtp)
+    model = _build_meta(family, cfg, TORCH_DTYPES[dtype], mtp, tp)
+    plan = None if tp is None else ShardPlan(family.shard_rules(cfg), tp.rank, tp.size)
     fp8_checkpoint = checkpoint_fp8(hf_config)
-    tensors = iter_tensors(shards, progress, fp8=fp8_checkpoint)
+    tensors = iter_tensors(shards, progress, fp8=fp8_checkpoint, plan=plan)
     if fp8_checkpoint:  # already FP8: quantize changes nothing
         convert_to_fp8(model, checkpoint_targets(model, (n for s in shards for n in s.tensor_names)))
     elif quantize == "fp8":
@@ -271,6 +284,15 @@ def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
     except KVScaleError as exc:
         raise ModelLoadError(str(exc)) from None
     return LoadedModel(model=model, hf_config=hf_config, kv_scales=kv_scales)
+
+
+def check_tp(path: str | Path, tp: int) -> None:
+    """Raise TPConfigError (a ValueError) when `tp` ranks cannot split the checkpoint's heads and widths."""
+    hf_config = read_hf_config(Path(path))
+    if tp > 1 and checkpoint_fp8(hf_config):  # the block scales would need block-aligned shard plans
+        raise TPConfigError(f"--tp {tp}: an FP8 checkpoint runs on one rank (--tp 1) so far")
+    family = resolve_family(hf_config)
+    shard_config(family.config_class.from_hf(hf_config), tp)
 
 
 def weight_tensors(path: str | Path) -> int:
@@ -326,16 +348,18 @@ def mtp_layers(path: str | Path) -> int:
     return len({n.split(".")[2] for n in names if n.startswith("mtp.layers.")})
 
 
-def meta_model(path: str | Path) -> torch.nn.Module:
-    """The checkpoint's model family built on the meta device: layouts without weights or memory."""
-    return meta_model_of(read_hf_config(Path(path)))
+def meta_model(path: str | Path, tp: int = 1) -> torch.nn.Module:
+    """The checkpoint's model family built on the meta device: layouts without weights or memory
+    (one rank's of `tp`)."""
+    return meta_model_of(read_hf_config(Path(path)), tp)
 
 
-def meta_model_of(hf_config: dict) -> torch.nn.Module:
-    """The model family of a config.json dict, on the meta device (nothing allocated)."""
+def meta_model_of(hf_config: dict, tp: int = 1) -> torch.nn.Module:
+    """The model family of a config.json dict, on the meta device (nothing allocated); with tp > 1
+    one rank's shard of it (its heads and widths, hkv/models/parallel.py)."""
     family = resolve_family(hf_config)
     with torch.device("meta"):
-        return family(family.config_class.from_hf(hf_config))
+        return family(shard_config(family.config_class.from_hf(hf_config), tp))
 
 
 def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, device: str,

@@ -196,8 +196,9 @@ class Drafter:
         return self.model.model.embed_tokens(tokens)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.model.model.embed_tokens.weight if self.model.lm_head is None else self.model.lm_head.weight
-        return F.linear(h, weight).float()
+        from hkv.models.parallel import lm_logits
+
+        return lm_logits(self.model, h)
 
     def commit(self, rows: list[DraftRow]) -> None:
         """Write every row's entries (entry p pairs h_{p-1} with token p; the first one's h is the stored

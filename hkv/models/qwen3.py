@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hkv.models import parallel
 from hkv.models.batch import ForwardBatch
 from hkv.storage.kv_pool import KVLayout, KVPool
 from hkv_kernels import dispatch
@@ -389,8 +390,12 @@ class Qwen3ForCausalLM(nn.Module):
         # the final norm is per token, so only the rows we return need it
         rows = batch.logits_indices
         h, _ = self.model.norm(x[rows], residual[rows])  # [S, H]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()  # [S, vocab]
+        return parallel.lm_logits(self, h)  # [S, vocab]
+
+    @staticmethod
+    def shard_rules(cfg: Qwen3Config) -> list:
+        """Tensor parallelism: how each checkpoint tensor splits over the ranks (hkv/models/parallel.py)."""
+        return parallel.attention_rules(cfg) + parallel.mlp_rules() + parallel.vocab_rules()
 
     def prepare_for_device(self) -> None:
         """After loading, on CUDA: one GEMM per group of projections of the same input."""

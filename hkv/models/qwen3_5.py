@@ -42,9 +42,9 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hkv.models import parallel
 from hkv.models.batch import ForwardBatch
 from hkv.models.moe import ExpertStacker
 from hkv.models.qwen3 import Qwen3MLP as MLP  # the same SwiGLU MLP; qwen3_next imports it from here
@@ -370,12 +370,17 @@ class HybridForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, batch, kv, state)
         # the final norm is per token, so only the rows we return need it
         rows = batch.logits_indices
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if hidden_out:
             hidden, _ = self.model.norm(x, residual)  # [T, hidden]
-            return F.linear(hidden[rows], weight).float(), hidden
+            return parallel.lm_logits(self, hidden[rows]), hidden
         h, _ = self.model.norm(x[rows], residual[rows])  # [S, hidden]
-        return F.linear(h, weight).float()  # [S, vocab]
+        return parallel.lm_logits(self, h)  # [S, vocab]
+
+    @staticmethod
+    def shard_rules(cfg: Qwen3_5Config) -> list:
+        """Tensor parallelism: how each checkpoint tensor splits over the ranks (hkv/models/parallel.py)."""
+        return (parallel.attention_rules(cfg) + parallel.gdn_rules(cfg, fused_projections=False)
+                + parallel.mlp_rules() + parallel.vocab_rules())
 
     def prepare_for_device(self) -> None:
         """After loading, on CUDA: one GEMM per group of projections of the same input."""

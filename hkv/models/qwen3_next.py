@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hkv.models import parallel
 from hkv.models.moe import SparseMoeBlock, moe_block
 from hkv.models.qwen3_5 import MLP, DecoderLayer, GatedDeltaNet, HybridForCausalLM, Qwen3_5Config
 
@@ -85,6 +86,12 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     """Qwen3-Next hybrid MoE model (`qwen3_next` checkpoints)."""
 
     config_class = Qwen3NextConfig
+
+    @staticmethod
+    def shard_rules(cfg: Qwen3NextConfig) -> list:
+        """Tensor parallelism: Qwen3.5's rules with the fused, per-key-head grouped GDN projections."""
+        return (parallel.attention_rules(cfg) + parallel.gdn_rules(cfg, fused_projections=True)
+                + parallel.mlp_rules() + parallel.vocab_rules())
 
     def mtp_mlp(self) -> nn.Module:
         """Qwen3-Next's MTP layer routes experts like its decoder layers (a dense MLP without experts)."""

@@ -13,6 +13,13 @@ its bytes at the start of the block (hkv/cache/slab.py says who holds which):
             [mtp_hidden: hidden][draft_k: W, kv_heads, head_dim][draft_v: W, kv_heads, head_dim]  fp32,
             the drafter's part (--spec-tokens only; draft_k/v with --draft-window W > 0 only)
 
+Under `--tp N` an entry holds every rank's shard of it, rank-major, under one key (the
+cache worker and the disk tier see whole entries; `descriptor` names N, so a tier or disk entry
+of another N never matches), and rank r's HostPool views only its shard:
+
+    page    [rank 0: 2, kv_layers, page_size, kv_heads / N, head_dim][rank 1: ...] ...
+    state   [rank 0: conv | recurrent | drafter][rank 1: ...] ...        (each rank's heads and channels)
+
 Every entry is contiguous, so it is also one disk payload. `HostPool` gives
 torch views in the device pools' axis order (layer first), so one
 `copy_blocks` call per tensor moves any list of pages or slots; page and
@@ -60,8 +67,11 @@ class HostLayout:
     draft_window: int = 0  # W of the draft K/V ring [W, draft_kv_heads, draft_head_dim] (0: none, paged)
     draft_kv_heads: int = 0
     draft_head_dim: int = 0
+    tp: int = 1  # ranks whose shards an entry holds (the shapes above are one rank's)
 
     def __post_init__(self):
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
         per_block = max(1, self.state_units)
         if self.num_pages < 0 or self.num_pages % per_block:
             raise ValueError(f"num_pages ({self.num_pages}) must be a multiple of state_units ({self.state_units})")
@@ -78,13 +88,15 @@ class HostLayout:
                              f"{self.state_bytes}-byte checkpoint")  # fmt: skip
 
     @classmethod
-    def for_model(cls, kv: KVLayout, state: StateLayout | None, budget_bytes: int, draft=None) -> "HostLayout":
+    def for_model(cls, kv: KVLayout, state: StateLayout | None, budget_bytes: int, draft=None,
+                  tp: int = 1) -> "HostLayout":
         """As many units as `budget_bytes` holds, in whole checkpoint blocks (a hybrid tier holds one at least).
 
         `draft` (hkv.models.mtp.DraftSpec, or None): the drafter's shapes; `kv` must then already have
-        the paged draft layer when its window is 0 (hkv.engine.spec.with_paged_draft)."""
+        the paged draft layer when its window is 0 (hkv.engine.spec.with_paged_draft). tp: the ranks;
+        kv, state and draft are then one rank's layouts."""
         fields = dict(kv_layers=kv.num_layers, page_size=kv.page_size, kv_heads=kv.kv_heads,
-                      head_dim=kv.head_dim, kv_dtype=kv.dtype)
+                      head_dim=kv.head_dim, kv_dtype=kv.dtype, tp=tp)
         if state is not None:
             if state.dtype != "float32":
                 raise ValueError(f"the CPU tier stores fp32 states, the state pool is {state.dtype}")
@@ -95,8 +107,8 @@ class HostLayout:
                 raise ValueError("the drafter's state lives in state entries; a dense model has none")
             fields.update(zip(("draft_hidden", "draft_window", "draft_kv_heads", "draft_head_dim"),
                               draft_part(draft)))
-        page_bytes = kv.bytes_per_page()  # the same bytes as a page entry (asserted below)
-        state_bytes = state.bytes_per_slot + 4 * _draft_numel(draft_part(draft)) if state is not None else 0
+        page_bytes = tp * kv.bytes_per_page()  # the same bytes as a page entry (asserted below)
+        state_bytes = tp * (state.bytes_per_slot + 4 * _draft_numel(draft_part(draft))) if state is not None else 0
         per_block = -(-state_bytes // page_bytes) if state is not None else 1
         units = max(0, budget_bytes) // page_bytes // per_block * per_block
         layout = cls(num_pages=units, state_units=per_block if state is not None else 0, **fields)
@@ -114,8 +126,13 @@ class HostLayout:
         return (2, self.kv_layers, self.page_size, self.kv_heads, self.head_dim)
 
     @property
-    def page_bytes(self) -> int:
+    def rank_page_bytes(self) -> int:
+        """One rank's shard of a page entry."""
         return math.prod(self.kv_shape) * _DTYPES[self.kv_dtype].itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        return self.tp * self.rank_page_bytes
 
     @property
     def conv_numel(self) -> int:
@@ -141,8 +158,13 @@ class HostLayout:
         return 4 * _draft_numel(self.draft_part)
 
     @property
-    def state_bytes(self) -> int:
+    def rank_state_bytes(self) -> int:
+        """One rank's shard of a checkpoint."""
         return (self.conv_numel + self.recurrent_numel) * 4 + self.draft_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self.tp * self.rank_state_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -167,6 +189,8 @@ class HostLayout:
                 ring = f"{self.draft_window}x{self.draft_kv_heads}x{self.draft_head_dim}"
                 text += f"+k{ring}+v{ring}"
             text += ":float32"
+        if self.tp > 1:
+            text += f"|tp{self.tp}"
         return text
 
     def to_dict(self) -> dict:
@@ -205,21 +229,24 @@ class HostPool:
         draft_k, draft_v [num_states, draft_window, draft_kv_heads, draft_head_dim]   (a ring only)
 
     The drafter's views are slot-major like StatePool's (and fp32, the device's are the model dtype).
+    Under --tp the views are rank `rank`'s shard of every entry.
     """
 
-    def __init__(self, layout: HostLayout, buffer: memoryview):
+    def __init__(self, layout: HostLayout, buffer: memoryview, rank: int = 0):
         if memoryview(buffer).nbytes < layout.nbytes:
             raise ValueError(f"host pool buffer has {memoryview(buffer).nbytes} bytes, the layout needs {layout.nbytes}")
         self.layout: HostLayout = layout
         self.buffer: memoryview = memoryview(buffer).cast("B")  # views, never copies, of any buffer
         lay = layout
+        if not 0 <= rank < lay.tp:
+            raise ValueError(f"rank {rank} out of range for a tier of {lay.tp} ranks")
         dtype = _DTYPES[lay.kv_dtype]
         self.pages: torch.Tensor | None = None  # [num_pages, 2, L, P, H, D]
         self.k = self.v = self.kv_layers = self.conv = self.recurrent = None
         self.mtp_hidden = self.draft_k = self.draft_v = None
         if lay.num_pages:
             flat = torch.frombuffer(self.buffer, dtype=dtype, count=lay.num_pages * lay.page_bytes // dtype.itemsize)
-            self.pages = flat.view(lay.num_pages, *lay.kv_shape)
+            self.pages = flat.view(lay.num_pages, lay.tp, *lay.kv_shape)[:, rank]
             self.k = self.pages[:, 0].transpose(0, 1)  # [L, N, P, H, D]
             self.v = self.pages[:, 1].transpose(0, 1)
             # [2L, N, P, H, D]: K's layers then V's, the axis order of KVPool.layers_view()
@@ -227,6 +254,7 @@ class HostPool:
         if lay.num_states:
             # [S, block floats]: each checkpoint is the first state_bytes of its block
             blocks = torch.frombuffer(self.buffer, dtype=torch.float32, count=lay.nbytes // 4).view(lay.num_states, -1)
+            blocks = blocks[:, rank * lay.rank_state_bytes // 4 :]  # this rank's shard of each checkpoint
             conv = blocks[:, : lay.conv_numel].view(lay.num_states, lay.lin_layers, lay.conv_dim, lay.conv_width)
             rec = blocks[:, lay.conv_numel : lay.conv_numel + lay.recurrent_numel]
             rec = rec.view(lay.num_states, lay.lin_layers, lay.v_heads, lay.k_dim, lay.v_dim)

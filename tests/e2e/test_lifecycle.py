@@ -98,7 +98,7 @@ def test_kill_9_of_the_launcher_takes_the_actors_down(tmp_path):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["--tp", "2"], "not implemented yet: --tp"),
+        (["--tp", "3"], "--tp 3 does not divide the model's 4 attention heads"),
         (["--secret-file", "/nonexistent"], "--secret-file: secret file '/nonexistent' cannot be opened"),
         (["--mode", "decode", "--cpu-cache-gb", "1"], "--mode decode needs --secret-file"),
         (["--spec-tokens", "2", "--draft-window", "1"], "--draft-window 1: must be 0 (full length) or at least"),

@@ -321,3 +321,22 @@ def test_drafter_state_round_trips_between_a_bf16_state_pool_and_the_fp32_entry(
     for dev, want in zip(state.draft_tensors(), saved):
         assert torch.equal(dev[2], want[1])  # bf16 -> fp32 -> bf16 is exact
         assert not dev[[0, 1, 3]].any()
+
+
+def test_tp_entries_hold_every_rank_shard_side_by_side():
+    """--tp 2: an entry is rank 0's shard then rank 1's; each rank's views see only its own bytes."""
+    lay = HostLayout.for_model(KV, STATE, 8 * 2 * PAGE_BYTES, tp=2)
+    assert (lay.page_bytes, lay.state_bytes) == (2 * PAGE_BYTES, 2 * STATE_BYTES)
+    assert lay.descriptor.endswith("|tp2") and "tp" not in HostLayout.for_model(KV, STATE, 10**4).descriptor
+    buffer = bytearray(lay.nbytes)
+    ranks = [HostPool(lay, memoryview(buffer), rank) for rank in range(2)]
+    for rank, pool in enumerate(ranks):
+        pool.k[:, 5].fill_(rank + 1)  # unit 5; state entry 1 is units 2-3
+        pool.recurrent[:, 1].fill_(rank + 5)
+    page = torch.frombuffer(ranks[0].page_view(5), dtype=torch.float32).view(2, -1)  # [rank, its floats]
+    assert page[0, : page.shape[1] // 2].eq(1).all() and page[1, : page.shape[1] // 2].eq(2).all()
+    assert page[:, page.shape[1] // 2 :].eq(0).all()  # V untouched
+    state = torch.frombuffer(ranks[1].state_view(1), dtype=torch.float32).view(2, -1)
+    assert state[0, CONV_NUMEL:].eq(5).all() and state[1, CONV_NUMEL:].eq(6).all() and not state[:, :CONV_NUMEL].any()
+    with pytest.raises(ValueError, match="rank 2 out of range"):
+        HostPool(lay, memoryview(buffer), 2)
