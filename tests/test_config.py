@@ -45,6 +45,7 @@ def test_help_groups_the_flags():
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "--tp 3 does not divide the model's 4 attention heads"),
     (["--tp", "2", "--mode", "prefill", "--secret-file", "x"], "prefill/decode instances run one rank"),
+    (["--tp", "2", "--quantize", "fp8"], "FP8 weights run on one rank"),
 ])
 def test_tp_the_model_or_mode_cannot_take_is_refused(argv, message):
     with pytest.raises(ConfigError, match=message):
