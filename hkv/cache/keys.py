@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 KEY_BYTES = 16  # 128-bit keys
 _FINGERPRINT_PERSON = b"hkv-fingerprint1"  # BLAKE2b personalization: the two hash uses never collide
 _PAGE_PERSON = b"hkv-page-key-v1"
+_TP_LAYOUT = re.compile(r"tp([0-9]+):(.+)")  # what `tp_layout` writes
+
+
+def tp_layout(tp: int, device: str) -> str:
+    """The fingerprint's tp_layout field: "tp2:cuda" (the device is part of the layout: CPU and GPU
+    kernels round differently)."""
+    return f"tp{tp}:{device}"
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,7 @@ class ModelFingerprint:
     weights_digest: hex digest of the weight files (computed by the loader).
     dtype: the KV pool layout name, e.g. "bfloat16" or "int8-g64".
     page_size: tokens per page.
-    tp_layout: how heads are split across ranks, e.g. "tp2".
+    tp_layout: how heads are split across ranks, and on which device: `tp_layout(2, "cuda")`, "tp2:cuda".
     tokenizer: hex digest of tokenizer.json (and its config).
     """
 
@@ -46,6 +54,18 @@ class ModelFingerprint:
         """h_0: BLAKE2b-128 of the fields as canonical JSON."""
         text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES, person=_FINGERPRINT_PERSON).digest()
+
+    def any_tp_key(self) -> bytes:
+        """The root key of this model at any TP degree: tp_layout's N replaced by "*" ("tp*:cuda").
+
+        It roots no page (pages stay keyed by `root_key`, N included); it names the model in records
+        that must hold across N, such as which N wrote a disk folder (hkv/cache/disk_owner.py).
+        Raises ValueError when tp_layout is not `tp_layout()`'s form.
+        """
+        match = _TP_LAYOUT.fullmatch(self.tp_layout)
+        if match is None:
+            raise ValueError(f"tp_layout {self.tp_layout!r} is not tp<N>:<device>")
+        return replace(self, tp_layout=f"tp*:{match[2]}").root_key()
 
 
 @lru_cache(maxsize=64)

@@ -372,7 +372,7 @@ def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, dev
     over tokenizer.json and tokenizer_config.json (those present); dtype: the activation dtype, with
     "+fp8" when --quantize fp8 quantizes a float checkpoint at load (other weights, same files).
     """
-    from hkv.cache.keys import ModelFingerprint
+    from hkv.cache.keys import ModelFingerprint, tp_layout
 
     folder = Path(path)
     hf_config = read_hf_config(folder)
@@ -384,7 +384,6 @@ def cache_fingerprint(path: str | Path, dtype: str, page_size: int, tp: int, dev
         if file.is_file():
             tokenizer.update(name.encode() + b"\0" + file.read_bytes())
     weights = weights_digest([s.path for s in find_weight_shards(folder)], cache=digest_cache)
-    # the device is part of the layout: CPU and GPU kernels round differently
     if quantize == "fp8" and not checkpoint_fp8(hf_config):
         dtype = f"{dtype}+fp8"
-    return ModelFingerprint(architecture, weights, dtype, page_size, f"tp{tp}:{device}", tokenizer.hexdigest())
+    return ModelFingerprint(architecture, weights, dtype, page_size, tp_layout(tp, device), tokenizer.hexdigest())

@@ -45,3 +45,23 @@ def test_any_fingerprint_field_changes_every_key(change):
 def test_token_ids_must_fit_in_32_bits():
     with pytest.raises(struct.error):
         page_keys(fingerprint().root_key(), [2**32, 0], 2)
+
+
+def test_the_any_tp_key_leaves_out_n_only():
+    """Pages of --tp 1 and --tp 2 keep distinct roots; the any-TP key is one per model and device."""
+    from hkv.cache.keys import tp_layout
+
+    one, two = fingerprint(tp_layout=tp_layout(1, "cpu")), fingerprint(tp_layout=tp_layout(2, "cpu"))
+    assert (one.tp_layout, two.tp_layout) == ("tp1:cpu", "tp2:cpu")  # the loader's field, unchanged
+    assert one.root_key() != two.root_key()
+    assert one.any_tp_key() == two.any_tp_key()
+    assert one.any_tp_key() not in (one.root_key(), two.root_key())
+    assert fingerprint(tp_layout="tp*:cpu").root_key() == one.any_tp_key()
+    assert fingerprint(tp_layout=tp_layout(1, "cuda")).any_tp_key() != one.any_tp_key()
+    assert fingerprint(tp_layout=tp_layout(1, "cpu"), page_size=4).any_tp_key() != one.any_tp_key()
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp:cpu", "cpu", "tpx:cpu", "tp2:"])
+def test_the_any_tp_key_refuses_a_layout_it_cannot_read(layout):
+    with pytest.raises(ValueError, match="is not tp<N>:<device>"):
+        fingerprint(tp_layout=layout).any_tp_key()
