@@ -41,6 +41,7 @@ from hkv.ipc.rundir import remove_run_dir, sweep_run_dirs
 from hkv.ipc.shm import Registry, ShmRegion, sweep_orphans, unlink_instance
 
 if TYPE_CHECKING:
+    from hkv.cache.keys import ModelFingerprint
     from hkv.storage.host_pool import HostLayout
 
 log = logging.getLogger("hkv.launch")
@@ -112,10 +113,13 @@ class Instance:
     def create_tier_regions(self, registry: Registry) -> None:
         """The CPU tier's page pool (sized from the model's layouts) and the cache worker's stats block."""
         cfg = self.cfg
-        layout, fingerprint = tier_layout(cfg)
+        layout, model = tier_layout(cfg)
+        fingerprint = model.root_key()
         if layout.num_pages == 0:
             need = max(layout.page_bytes, layout.block_bytes)
             raise ConfigError(f"--cpu-cache-gb {cfg.cache.cpu_cache_gb} holds no page and checkpoint ({need} bytes)")
+        if cfg.cache.disk_cache_dir:
+            claim_disk_tier(cfg.cache.disk_cache_dir, model.any_tp_key(), cfg.model.tp)
         log.info("CPU tier: %d units of %d bytes, %d per checkpoint (at most %d checkpoints), %.1f MiB",
                  layout.num_pages, layout.page_bytes, layout.state_units, layout.num_states, layout.nbytes / 2**20)
         pool, tier_stats = tier_regions.TIER_REGION, tier_regions.TIER_STATS_REGION
@@ -280,8 +284,8 @@ class Instance:
         return ["api", "router"] + [f"rank{r}" for r in range(self.cfg.model.tp)] + ["transporter", "cache_worker"]
 
 
-def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
-    """The CPU tier's layout for `cfg` and the fingerprint root key of its entries.
+def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, ModelFingerprint]:
+    """The CPU tier's layout for `cfg` and the model fingerprint whose root key roots its entries.
 
     The model is built on the meta device (layouts, no weights). Pages and
     checkpoints share the whole budget (hkv/storage/host_pool.py). With
@@ -305,7 +309,21 @@ def tier_layout(cfg: HkvConfig) -> tuple[HostLayout, bytes]:
     # the KV dtype is part of the key (cache_dtype_name): FP8 pages never meet model-dtype pages
     fingerprint = cache_fingerprint(cfg.model.path, cfg.model.cache_dtype_name, c.page_size, cfg.model.tp,
                                     cfg.model.device, digest_cache=digests, quantize=cfg.model.quantize)
-    return layout, fingerprint.root_key()
+    return layout, fingerprint
+
+
+def claim_disk_tier(directory: str, model_key: bytes, tp: int) -> None:
+    """Refuse (ConfigError, exit 2) a disk tier folder holding this model's pages of another --tp N,
+    else record N in it (hkv/cache/disk_marker.py), before any actor starts."""
+    from hkv.cache.disk_marker import DiskTierTpMismatch, claim
+
+    try:
+        if claim(directory, model_key, tp):
+            log.info("disk tier: %s now records --tp %d for this model", directory, tp)
+    except DiskTierTpMismatch as exc:
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"--disk-cache-dir {directory}: cannot record its --tp marker: {exc}") from None
 
 
 def _readable(fd: int) -> bool:
