@@ -56,7 +56,7 @@ from hkv.ipc.peer_socket import SealedSocket, tcp_socket
 from hkv.ipc.process import ActorContext, run_actor, run_until_stopped
 from hkv.ipc.shm import ShmRegion
 from hkv.ipc.tier_regions import PD_STATS_REGION, attach_pool
-from hkv.storage.host_pool import HostLayout, HostPool, kv_dtype_of
+from hkv.storage.host_pool import HostLayout, HostPool, kv_dtype_of, tp_of
 
 log = logging.getLogger("hkv.transporter")
 from hkv.openai.pd_route import ADDRESS_FILE  # noqa: E402  (the api reads it back)
@@ -233,6 +233,9 @@ class Transporter:
         theirs, ours = kv_dtype_of(msg.layout), self.layout.kv_dtype
         if theirs != ours:
             return f"another KV cache dtype (--kv-cache-dtype): the peer stores {theirs} pages, this instance {ours}"
+        if tp_of(msg.layout) != self.layout.tp:
+            return (f"another tensor parallelism (--tp): the peer's pages are split over "
+                    f"{tp_of(msg.layout) or 'an unreadable number of'} ranks, this instance's over {self.layout.tp}")
         if msg.layout != self.layout.descriptor or msg.root != self.fingerprint:
             return "another model or layout (the fingerprints or CPU-tier layouts differ)"
         if not 1 <= len(msg.keys) <= MAX_KEYS or any(len(k) != KEY_BYTES for k in msg.keys):

@@ -203,6 +203,18 @@ def kv_dtype_of(descriptor: str) -> str:
     return head[2] if len(head) == 3 and head[0] == "kv" else ""
 
 
+def tp_of(descriptor: str) -> int | None:
+    """The ranks a layout descriptor's entries are sharded over: its "|tp<N>" part, 1 without one;
+    None when that part is not a positive integer."""
+    parts = [p for p in descriptor.split("|") if p.startswith("tp")]
+    if not parts:
+        return 1
+    digits = parts[-1][2:]
+    if len(parts) > 1 or not digits.isdigit() or len(digits) > 6 or int(digits) < 2:
+        return None
+    return int(digits)
+
+
 def draft_part(draft) -> tuple[int, int, int, int]:
     """(hidden, W, kv_heads, head_dim) a state entry holds for `draft` (a DraftSpec or None): all 0 when
     not drafting, the ring's shape 0 when W = 0 (the draft K/V are then paged, in page entries)."""

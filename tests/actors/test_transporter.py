@@ -391,6 +391,10 @@ def peer_lookup(**changes) -> PeerLookup:
     (dict(layout="kv:2x1x2x1x4:float8_e4m3fn"), "another KV cache dtype (--kv-cache-dtype): the peer stores "
                                                 "float8_e4m3fn pages, this instance float32"),
     (dict(root=bytes(16)), "another model or layout"),
+    (dict(layout=LAYOUT.descriptor + "|tp2"), "another tensor parallelism (--tp): the peer's pages are split over 2 "
+                                              "ranks, this instance's over 1"),
+    (dict(layout=LAYOUT.descriptor + "|tpx"), "another tensor parallelism (--tp): the peer's pages are split over an "
+                                              "unreadable number of ranks"),
     (dict(keys=[]), "bad keys"),
     (dict(keys=[key(0), b"short"]), "bad keys"),
     (dict(keys=[key(0)] * (tp.MAX_KEYS + 1)), "bad keys"),

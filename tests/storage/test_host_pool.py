@@ -340,3 +340,28 @@ def test_tp_entries_hold_every_rank_shard_side_by_side():
     assert state[0, CONV_NUMEL:].eq(5).all() and state[1, CONV_NUMEL:].eq(6).all() and not state[:, :CONV_NUMEL].any()
     with pytest.raises(ValueError, match="rank 2 out of range"):
         HostPool(lay, memoryview(buffer), 2)
+
+
+@pytest.mark.parametrize("descriptor,tp", [
+    ("kv:2x1x4x1x4:float32", 1),
+    ("kv:2x1x4x1x4:float32|state:conv1x2x3+rec1x1x2x2:float32|tp2", 2),
+    ("kv:2x1x4x1x4:float32|tp16", 16),
+    ("kv:2x1x4x1x4:float32|tp1", None),  # a layout of one rank names no tp part
+    ("kv:2x1x4x1x4:float32|tp0", None),
+    ("kv:2x1x4x1x4:float32|tp", None),
+    ("kv:2x1x4x1x4:float32|tp2|tp2", None),
+    ("kv:2x1x4x1x4:float32|tp9999999", None),
+])  # fmt: skip
+def test_tp_of_reads_the_descriptors_tp_part(descriptor, tp):
+    from hkv.storage.host_pool import tp_of
+
+    assert tp_of(descriptor) == tp
+
+
+def test_tp_of_reads_what_the_descriptor_writes():
+    from hkv.storage.host_pool import tp_of
+
+    for tp in (1, 2, 4):
+        layout = HostLayout(num_pages=1, state_units=0, kv_layers=1, page_size=2, kv_heads=1, head_dim=4,
+                            kv_dtype="float32", tp=tp)
+        assert tp_of(layout.descriptor) == tp
