@@ -5,6 +5,8 @@
   kill -9 of rank 1 mid-stream ends the stream with an error event and stops the instance cleanly.
 - qwen3_5_text (the trained built-in tiny-hybrid, with its MTP head) with --spec-tokens 2: the CPU tier
   round trip of tests/e2e/test_spec_tiers.py, then the disk tier after a restart, at --tp 2.
+- A disk tier folder written at --tp 2 is refused at --tp 1 (exit 2, one line saying what to do), and
+  read again at --tp 2 (hkv/cache/disk_marker.py).
 (`--tp 3` on a model whose heads it does not divide is in tests/e2e/test_lifecycle.py.)
 """
 
@@ -18,9 +20,9 @@ import signal
 import aiohttp
 import pytest
 
-from tests.e2e.harness import assert_clean, launch, shm_segments
+from tests.e2e.harness import assert_clean, launch, shm_segments, spawn
 from tests.e2e.test_hybrid import _build, _prompts
-from tests.e2e.test_prefix_cache import _body, _complete_all
+from tests.e2e.test_prefix_cache import _body, _complete, _complete_all
 from tests.e2e.test_spec_tiers import FLAGS, _check_cpu_round_trip, _serve, folder, prompts, reference  # noqa: F401
 from tests.reference import assert_greedy_parity
 
@@ -111,3 +113,38 @@ def test_tiny_hybrid_drafts_through_the_cpu_and_disk_tiers_on_two_ranks(folder, 
     [(disk, usage, disk_accepted)] = _serve(flags, tmp_path, [prompt])
     assert usage["cache"]["disk"] == len(prompt) - 1 and usage["cache"]["gpu"] == 0, usage
     assert disk == cold and disk_accepted == accepted, (accepted, disk_accepted)
+
+
+def test_a_disk_folder_of_two_ranks_is_refused_at_one_and_read_again_at_two(qwen3_dir, qwen3_reference, tmp_path):
+    disk = tmp_path / "disk"
+    flags = ["--model", str(qwen3_dir), "--page-size", "16", "--cpu-cache-gb", "0.05", "--disk-cache-gb", "0.05",
+             "--disk-cache-dir", str(disk)]
+    prompt = _prompts(41, [70])[0]
+
+    def serve_once() -> dict:
+        server = launch([*flags, *TP], tmp_path)
+        pids = server.actor_pids()
+        try:
+            result = _complete(server.url, _body(prompt, 8))
+        finally:
+            assert server.stop(signal.SIGTERM) == 0, server.log()  # drained: the CPU tier's pages go to disk
+        assert_clean(server, pids)
+        return result
+
+    cold = serve_once()
+    assert_greedy_parity(qwen3_reference, prompt, cold["choices"][0]["token_ids"])
+    files = sorted(p.relative_to(disk) for p in disk.rglob("*.hkvp"))
+    assert files, "the drain wrote no page to the disk tier"
+
+    one = spawn([*flags, "--tp", "1"], tmp_path)
+    assert one.proc.wait(120) == 2
+    errors = [line for line in one.log().splitlines() if line.startswith("hkv-launch: error:")]
+    assert errors == [f"hkv-launch: error: --disk-cache-dir {disk} holds this model's pages written with --tp 2, and "
+                      f"this instance runs --tp 1 (its pages would never be read): start with --tp 2, give another "
+                      f"--disk-cache-dir, or delete {disk}"], one.log()
+    assert not shm_segments(one.name)
+    assert sorted(p.relative_to(disk) for p in disk.rglob("*.hkvp")) == files  # the refusal touched no page
+
+    warm = serve_once()
+    assert warm["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+    assert warm["usage"]["cache"]["disk"] == 64 and warm["usage"]["cache"]["gpu"] == 0, warm["usage"]
