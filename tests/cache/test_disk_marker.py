@@ -116,3 +116,23 @@ def test_a_bad_n_or_key_is_a_value_error(tmp_path, tp):
         claim(tmp_path, MODEL, tp)
     with pytest.raises(ValueError, match="model_key must be 16 bytes"):
         marker_path(tmp_path, b"short")
+
+
+def test_a_directory_in_the_markers_place_is_an_os_error_not_a_crash(tmp_path):
+    """The launcher turns the OSError into one exit-2 line (claim_disk_tier)."""
+    marker_path(tmp_path, MODEL).mkdir()
+    with pytest.raises(OSError):
+        claim(tmp_path, MODEL, 1)
+    assert [p.name for p in tmp_path.iterdir()] == [marker_path(tmp_path, MODEL).name]  # no temp left behind
+
+
+def test_the_launcher_turns_each_refusal_into_one_config_error_line(tmp_path):
+    from hkv.config import ConfigError
+    from hkv.launcher import claim_disk_tier
+
+    claim_disk_tier(str(tmp_path), MODEL, 2)
+    with pytest.raises(ConfigError, match=r"^--disk-cache-dir .* written with --tp 2, and this instance runs --tp 1"):
+        claim_disk_tier(str(tmp_path), MODEL, 1)
+    marker_path(tmp_path, OTHER).mkdir()
+    with pytest.raises(ConfigError, match=rf"^--disk-cache-dir {tmp_path}: cannot record its --tp marker: "):
+        claim_disk_tier(str(tmp_path), OTHER, 1)
