@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -29,6 +30,8 @@ from hkv.models.fp8 import (
 from hkv.models.parallel import ShardPlan, TPConfigError, TPGroup, apply_tp, shard_config
 from hkv.models.registry import resolve_family
 from hkv.models.tokenizer import Tokenizer, tool_call_format
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # checkpoint tensor dtypes we cast from; anything else is a quantized format we do not run
@@ -269,6 +272,8 @@ def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
     fp8_checkpoint = checkpoint_fp8(hf_config)
     tensors = iter_tensors(shards, progress, fp8=fp8_checkpoint, plan=plan)
     if fp8_checkpoint:  # already FP8: quantize changes nothing
+        if quantize == "fp8":
+            log.info("--quantize fp8: %s is an FP8 checkpoint already; its FP8 weights load as they are", folder)
         convert_to_fp8(model, checkpoint_targets(model, (n for s in shards for n in s.tensor_names)))
     elif quantize == "fp8":
         targets = quantize_targets(model)
