@@ -388,8 +388,8 @@ def peer_lookup(**changes) -> PeerLookup:
 
 @pytest.mark.parametrize("changes,why", [
     (dict(layout="kv:2x1x4x1x4:float32"), "another model or layout"),
-    (dict(layout="kv:2x1x2x1x4:float8_e4m3fn"), "another KV cache dtype (--kv-cache-dtype): the peer stores "
-                                                "float8_e4m3fn pages, this instance float32"),
+    (dict(layout="kv:2x1x2x1x4:float8_e4m3fn"), "another KV cache dtype (--kv-cache-dtype): the prefill instance "
+                                                "stores float32 pages, the decode instance float8_e4m3fn"),
     (dict(root=bytes(16)), "another model or layout"),
     (dict(keys=[]), "bad keys"),
     (dict(keys=[key(0), b"short"]), "bad keys"),
