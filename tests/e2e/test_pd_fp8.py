@@ -9,7 +9,7 @@ behind its own master.
 1. Greedy tokens through either path equal the single FP8-KV instance's, for prompts of several pages;
    every page came from the prefill instance, by the path asked for.
 2. The model-dtype decode instance refuses the FP8 prefill instance's pages: the client gets the line
-   naming both KV dtypes (a 502 from the master that carries it), and no page moved.
+   naming both KV dtypes (a 502 from the master that carries it), no page moved and nothing stays reserved.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 
 from tests.e2e.harness import launch
 from tests.e2e.test_pd import PAGE, TIMEOUT_S, _body, _launch_all, _post_all, _prompts, _secret, _settled_metric
-from tests.e2e.test_pd import stop_all
+from tests.e2e.test_pd import _wait_in_use_zero, stop_all
 
 pytestmark = pytest.mark.e2e
 MODEL = ["--model", "tiny-hybrid-random"]
@@ -102,3 +102,5 @@ def test_a_model_dtype_decode_instance_refuses_fp8_pages_with_one_clear_line(fp8
     assert status == 502, answer
     assert REFUSAL in answer["error"]["message"], answer
     assert _received(fp8_pd.model_dtype) == (0, 0)
+    for pool in ("cpu_pages", "gpu_pages"):  # nothing stays reserved on the decode side
+        _wait_in_use_zero(fp8_pd.model_dtype.name, pool)
