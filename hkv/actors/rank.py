@@ -223,9 +223,15 @@ def _open_pair(cfg: HkvConfig, runner: ModelRunner) -> None:
 
 
 def _write_pools_doc(cfg: HkvConfig, doc: dict) -> None:
-    """The pools document the api names in a prefill answer (hkv/openai/pd_route.py), with the pair path."""
+    """The pools document the api names in a prefill answer (hkv/openai/pd_route.py), with the pair path and
+    the KV dtype and cache fingerprint (a decode instance of others takes the CPU path, which refuses it)."""
     from hkv.openai.pd_route import POOLS_FILE
 
+    doc["kv_dtype"] = cfg.model.kv_cache_dtype
+    if cfg.cache.tiers:  # the CPU tier's fingerprint root (a PD instance has one): model, dtypes, pages, tokenizer
+        from hkv.ipc.tier_regions import pool_layout
+
+        doc["root"] = pool_layout(cfg.server.name)[1].hex()
     if cfg.pair_backend:
         doc["pair"] = cfg.pair_backend
     path = os.path.join(cfg.run_dir, POOLS_FILE)

@@ -175,6 +175,7 @@ class Router:
         self.scheduler.peer_holds_enabled = (cfg.server.mode == "prefill" and cfg.spec.spec_tokens == 0
                                              and (cfg.model.device == "cuda" or bool(cfg.pair_backend)))
         self.scheduler.pair_backend = cfg.pair_backend  # across GPUs (NCCL), or gloo on CPU (docs/pd.md)
+        self.scheduler.kv_dtype = cfg.model.kv_cache_dtype  # a peer's device pages of another are not taken
         self.check = InboxCheck(RouterLimits(cfg.model.spec.vocab_size, cfg.model.max_context,
                                              self.table.layout.max_pages * c.page_size, kv_pages * c.page_size,
                                              cfg.scheduler.max_queued_requests))

@@ -232,10 +232,13 @@ class Transporter:
     def _refuse_lookup(self, key: tuple[bytes, int], msg: PeerLookup) -> str | None:
         theirs, ours = kv_dtype_of(msg.layout), self.layout.kv_dtype
         if theirs != ours:
-            return f"another KV cache dtype (--kv-cache-dtype): the peer stores {theirs} pages, this instance {ours}"
+            # the prefill side serves lookups; the line reaches the decode instance's client as it is
+            return (f"another KV cache dtype (--kv-cache-dtype): the prefill instance stores {ours} pages, "
+                    f"the decode instance {theirs}")
         if tp_of(msg.layout) != self.layout.tp:
-            return (f"another tensor parallelism (--tp): the peer's pages are split over "
-                    f"{tp_of(msg.layout) or 'an unreadable number of'} ranks, this instance's over {self.layout.tp}")
+            return (f"another tensor parallelism (--tp): the decode instance's pages are split over "
+                    f"{tp_of(msg.layout) or 'an unreadable number of'} ranks, the prefill instance's over "
+                    f"{self.layout.tp}")
         if msg.layout != self.layout.descriptor or msg.root != self.fingerprint:
             return "another model or layout (the fingerprints or CPU-tier layouts differ)"
         if not 1 <= len(msg.keys) <= MAX_KEYS or any(len(k) != KEY_BYTES for k in msg.keys):

@@ -54,6 +54,7 @@ class PdFetching:
         self.pd_malformed = 0  # PdFetched for no fetch, or naming pages outside it
         self.peer_holds_enabled = False  # prefill mode on CUDA: hold prompts' device pages for decode peers
         self.peer_gpu = ""  # decode mode on CUDA: the GPU whose prefill peers' pages the rank can map
+        self.kv_dtype = ""  # the KV pages' dtype (float32, bfloat16, float16, float8_e4m3fn); a peer's must match
         self.pd_timeout_s = 30.0  # --pd-timeout: a peer's device hold lasts at least this long
         self._peer_holds: dict[int, tuple[Hold, float]] = {}  # hold id -> (hold, taken at)
         self._hold_wanted: set[int] = set()  # prefill mode: for_peer req ids that hold their device prefix
@@ -185,10 +186,12 @@ class PdFetching:
         if dev is None or req.peer is None:
             return False
         try:
-            same_gpu = bool(self.peer_gpu) and json.loads(dev.pools).get("uuid") == self.peer_gpu
-        except (ValueError, AttributeError):
-            same_gpu = False
-        pair = not same_gpu and self._pair_usable(dev.pools)  # across GPUs (NCCL), or gloo on CPU
+            pools = json.loads(dev.pools)
+        except ValueError:
+            pools = None
+        pools = pools if isinstance(pools, dict) else {}
+        same_gpu = self._same_pages(pools) and bool(self.peer_gpu) and pools.get("uuid") == self.peer_gpu
+        pair = self._same_pages(pools) and not same_gpu and self._pair_usable(pools)  # NCCL, or gloo on CPU
         fits = (dev.length > 0 and dev.length % P == 0 and len(dev.pages) == dev.length // P
                 and dev.length <= (len(seq.prompt_ids) - 1) // P * P and all(p >= 0 for p in dev.pages)
                 and (dev.slot is not None and dev.slot >= 0) == self.limits.hybrid)
@@ -199,6 +202,14 @@ class PdFetching:
         seq.peer_device, seq.peer, seq.peer_pair = dev, req.peer, pair
         seq.peer_copy_by = time.monotonic() + self.pd_timeout_s / 2
         return True
+
+    def _same_pages(self, pools: dict) -> bool:
+        """The peer's pools document names this instance's KV dtype and cache fingerprint: its device pages are
+        pages this instance would have computed. Else (or a peer naming neither) the CPU path, whose lookup the
+        peer refuses with a line naming what differs (both KV dtypes, or the model or layout)."""
+        root = self.tiers.root_key.hex() if self.tiers is not None else ""
+        return (bool(self.kv_dtype) and pools.get("kv_dtype") == self.kv_dtype
+                and bool(root) and pools.get("root") == root)
 
     def _extend_from_peer(self, txn, seq: Sequence, start: int) -> tuple[int, tuple[int, ...]]:
         """Grow the hit with the peer's held pages past `start`: (tokens, their fresh pages)."""

@@ -24,7 +24,6 @@ ones every PAIR_POLL_S when nothing runs) so the ranks can report.
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections import OrderedDict
@@ -51,14 +50,10 @@ class PdPairing:
 
     # -- decode side
 
-    def _pair_usable(self, doc: str) -> bool:
-        """The peer's pools document names this instance's pair backend (and this rank has a rendezvous)."""
-        if not (self.pair_backend and self.pair_address):
-            return False
-        try:
-            return json.loads(doc).get("pair") == self.pair_backend
-        except (ValueError, AttributeError):
-            return False
+    def _pair_usable(self, pools: dict) -> bool:
+        """The peer's pools document (decoded) names this instance's pair backend (and this rank has a
+        rendezvous)."""
+        return bool(self.pair_backend and self.pair_address) and pools.get("pair") == self.pair_backend
 
     def _pair_recv_ops(self, seq: Sequence, dev: PeerDevice, start: int, fresh: tuple[int, ...]) -> list[PeerRecv]:
         """Admitted at `start` with `fresh` pages for the rest of the hold: receive them, ask the peer to send."""

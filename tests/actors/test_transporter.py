@@ -388,13 +388,13 @@ def peer_lookup(**changes) -> PeerLookup:
 
 @pytest.mark.parametrize("changes,why", [
     (dict(layout="kv:2x1x4x1x4:float32"), "another model or layout"),
-    (dict(layout="kv:2x1x2x1x4:float8_e4m3fn"), "another KV cache dtype (--kv-cache-dtype): the peer stores "
-                                                "float8_e4m3fn pages, this instance float32"),
+    (dict(layout="kv:2x1x2x1x4:float8_e4m3fn"), "another KV cache dtype (--kv-cache-dtype): the prefill instance "
+                                                "stores float32 pages, the decode instance float8_e4m3fn"),
     (dict(root=bytes(16)), "another model or layout"),
-    (dict(layout=LAYOUT.descriptor + "|tp2"), "another tensor parallelism (--tp): the peer's pages are split over 2 "
-                                              "ranks, this instance's over 1"),
-    (dict(layout=LAYOUT.descriptor + "|tpx"), "another tensor parallelism (--tp): the peer's pages are split over an "
-                                              "unreadable number of ranks"),
+    (dict(layout=LAYOUT.descriptor + "|tp2"), "another tensor parallelism (--tp): the decode instance's pages are "
+                                              "split over 2 ranks, the prefill instance's over 1"),
+    (dict(layout=LAYOUT.descriptor + "|tpx"), "another tensor parallelism (--tp): the decode instance's pages are "
+                                              "split over an unreadable number of ranks"),
     (dict(keys=[]), "bad keys"),
     (dict(keys=[key(0), b"short"]), "bad keys"),
     (dict(keys=[key(0)] * (tp.MAX_KEYS + 1)), "bad keys"),

@@ -15,10 +15,12 @@ from hkv.ipc.messages import (
     GenerateRequest, PdFetch, PdRelease, PeerDevice, Sampled, SamplingParams, StepResult, TierFound, TierLookup,
     TierReserve, TierReserved, TokenDelta,
 )  # fmt: skip
-from tests.engine.test_pd_fetching import P, PAGES, PEER, STATES, make  # the same scheduler
+from tests.engine.test_pd_fetching import P, PAGES, PEER, ROOT, STATES, make  # the same scheduler
 
 GPU = "GPU-8f0c2a11-0000-4000-8000-000000000001"
-POOLS = json.dumps({"version": 1, "uuid": GPU, "kv": {"handle": "00"}})
+KV_DTYPE = "float32"  # the decode side's KV pages, as the router sets them (a peer's must be the same)
+SAME = {"kv_dtype": KV_DTYPE, "root": ROOT.hex()}  # a peer's pools name the decode side's KV dtype and fingerprint
+POOLS = json.dumps({"version": 1, "uuid": GPU, "kv": {"handle": "00"}, **SAME})
 HOLD = 7  # the prefill router's hold id, as the ticket names it
 
 
@@ -48,6 +50,7 @@ def prefill_side(hybrid: bool = True) -> Scheduler:
 def decode_side(hybrid: bool = True) -> Scheduler:
     sched = make(hybrid)
     sched.peer_gpu = GPU  # what the router sets from the rank's RankReady on CUDA
+    sched.kv_dtype = KV_DTYPE
     return sched
 
 
@@ -379,7 +382,12 @@ def test_the_release_follows_the_admitting_plan_even_when_it_failed(clock):
 
 
 MISMATCHES = {  # name: (device, hybrid, malformed)
-    "another GPU": (device(pools=json.dumps({"version": 1, "uuid": "GPU-other"})), True, 0),
+    "another GPU": (device(pools=json.dumps({"version": 1, "uuid": "GPU-other", **SAME})), True, 0),
+    "another KV dtype": (device(pools=json.dumps({"version": 1, "uuid": GPU, **SAME, "kv_dtype": "float8_e4m3fn"})),
+                         True, 0),
+    "another fingerprint": (device(pools=json.dumps({"version": 1, "uuid": GPU, **SAME, "root": "11" * 16})), True,
+                            0),
+    "no KV dtype or fingerprint named": (device(pools=json.dumps({"version": 1, "uuid": GPU})), True, 0),
     "pools not JSON": (device(pools="not json"), True, 0),
     "pools not an object": (device(pools="[1, 2]"), True, 0),
     "length off a page": (device(length=100, pages=list(range(6))), True, 1),

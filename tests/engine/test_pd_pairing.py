@@ -10,7 +10,8 @@ What this file proves, with a fake clock and no ranks (results are written by ha
 - a failed transfer fails the request (its reason in the error) and rolls back, the next transfer with that
   peer joins a new group; an abort or --pd-timeout answers at once but keeps the pages until the transfer ends;
 - an arriving sequence is never preempted, one preempted after it arrived is announced to the ranks once;
-  holds that do not name the pair backend take the CPU path;
+  holds that do not name the pair backend, or name another KV dtype or fingerprint (or none), take the
+  CPU path;
 - prefill side: a valid PdPairSend becomes a PeerSend from the hold, which outlives the hold timeout and
   releases until the send ends; every malformed ask is only counted;
 - a prefill and a decode scheduler wired by hand move a prompt end to end, books balanced on both.
@@ -31,12 +32,12 @@ from hkv.ipc.messages import (
     TransferDone,
 )  # fmt: skip
 from tests.engine.test_pd_device import (
-    GPU, HOLD, FakeClock, check_books_balanced, decode_side, device, finish_of, generate, prefill_side, prompt, result,
+    GPU, HOLD, SAME, FakeClock, check_books_balanced, decode_side, device, finish_of, generate, prefill_side, prompt, result,
     run_to_end, settle_tiers, step,
 )  # fmt: skip
 from tests.engine.test_pd_fetching import PEER, P, make
 
-PAIR_POOLS = json.dumps({"version": 1, "pair": "gloo"})
+PAIR_POOLS = json.dumps({"version": 1, "pair": "gloo", **SAME})
 ADDRESS = "127.0.0.1:9"  # the decode rank's rendezvous, from its RankReady
 
 
@@ -51,6 +52,7 @@ def clock(monkeypatch) -> FakeClock:
 def pair_decode(hybrid: bool = True, address: str = ADDRESS, backend: str = "gloo") -> Scheduler:
     sched = make(hybrid)
     sched.pair_backend, sched.pair_address = backend, address
+    sched.kv_dtype = SAME["kv_dtype"]
     return sched
 
 
@@ -323,8 +325,11 @@ def test_an_arrived_sequence_preempted_before_its_first_chunk_is_announced_once(
 
 
 FALLBACKS = {  # name: (scheduler settings, pools)
-    "no pair in the pools": (dict(), json.dumps({"version": 1})),
-    "another backend": (dict(), json.dumps({"version": 1, "pair": "nccl"})),
+    "no pair in the pools": (dict(), json.dumps({"version": 1, **SAME})),
+    "another backend": (dict(), json.dumps({"version": 1, "pair": "nccl", **SAME})),
+    "another KV dtype": (dict(), json.dumps({"version": 1, "pair": "gloo", **SAME, "kv_dtype": "float8_e4m3fn"})),
+    "another fingerprint": (dict(), json.dumps({"version": 1, "pair": "gloo", **SAME, "root": "11" * 16})),
+    "no KV dtype or fingerprint named": (dict(), json.dumps({"version": 1, "pair": "gloo"})),
     "pools not JSON": (dict(), "not json"),
     "pools not an object": (dict(), json.dumps(["pair", "gloo"])),
     "no rendezvous address": (dict(address=""), PAIR_POOLS),
@@ -355,7 +360,7 @@ def test_a_pair_hold_that_does_not_fit_the_prompt_is_counted_and_takes_the_cpu_p
 def test_a_hold_on_this_gpu_is_copied_over_cuda_ipc_even_with_a_pair_backend(clock):
     sched = decode_side(True)
     sched.pair_backend, sched.pair_address = "nccl", ADDRESS
-    pools = json.dumps({"version": 1, "uuid": GPU, "pair": "nccl"})
+    pools = json.dumps({"version": 1, "uuid": GPU, "pair": "nccl", **SAME})
     sched.add(generate(1, 200, peer=PEER, peer_device=device(pools=pools)))
     settle_tiers(sched)
     plan = sched.schedule()
