@@ -26,7 +26,9 @@ start s_structured --max-running-requests 64 && {
     --json "$OUT/structured.json" 2>&1 | tee -a "$LOG"
   grep -h "structured output\|grammar\|without drafts" /tmp/s_structured.err | head -5 | tee -a "$LOG"
   stop
+  grep -h "done in\|ready in" /tmp/s_structured.err /tmp/s_structured.out | tee "$OUT/startup_first.log" >/dev/null
   say "second start of the same server (warm compile cache: issue 38's restart time)"
   start s_structured --max-running-requests 64 && stop
+  grep -h "done in\|ready in" /tmp/s_structured.err /tmp/s_structured.out | tee "$OUT/startup_second.log" >/dev/null
 }
 exit 0
