@@ -54,6 +54,9 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable,
     draft = spec.draft_spec(model, cfg.spec.draft_window) if drafting else None
     slots, state = _state_pool(cfg, model, table, draft, extra, startup)
     if on_cuda:  # compile and autotune the prefill kernels now, not in the first requests' TTFT
+        from hkv.engine import parallel_compile
+
+        parallel_compile.install(device=torch.cuda.current_device())  # autotuners compile configs in parallel
         _warm_up(cfg, model, state, startup)
     pages, kv = _kv_pool(cfg, model, state, draft, extra, startup, kv_scales)
     scratch = (pages, slots if state is not None else None) if on_cuda else None
