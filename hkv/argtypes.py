@@ -38,3 +38,14 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+MAX_GRAMMAR_THREADS = 256
+
+
+def grammar_threads(text: str) -> int:
+    """--grammar-threads: llguidance's mask threads on a rank."""
+    value = int(text)
+    if not 1 <= value <= MAX_GRAMMAR_THREADS:
+        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_GRAMMAR_THREADS}, got {text}")
+    return value

@@ -156,6 +156,7 @@ class SchedulerConfig:
     chunked_prefill_size: int  # prompt tokens per step across all sequences
     max_queued_requests: int  # bounded admission queue at the router (429 beyond it)
     prefix_wait_tokens: int = 256  # a waiting prompt waits for another's prefill of a prefix this much longer; 0 = off
+    grammar_threads: int = 0  # --grammar-threads: llguidance's mask threads on a rank; 0 = llguidance's default
 
 
 @dataclass(frozen=True)
@@ -579,6 +580,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             chunked_prefill_size=args.chunked_prefill_size or (512 if on_cpu else 8192),
             max_queued_requests=4096,
             prefix_wait_tokens=args.prefix_wait_tokens,
+            grammar_threads=args.grammar_threads or 0,
         ),
         spec=SpecConfig(args.spec_tokens, args.draft_window or 0, os.environ.get("HKV_SPEC_ORACLE") or None),
         server=server,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hkv.argtypes import fraction as _fraction, non_negative_float as _non_negative_float
+from hkv.argtypes import fraction as _fraction, grammar_threads as _grammar_threads
+from hkv.argtypes import non_negative_float as _non_negative_float
 from hkv.argtypes import non_negative_int as _non_negative_int
 from hkv.argtypes import positive_float as _positive_float, positive_int as _positive_int
 from hkv.engine.validate import MAX_SPEC_TOKENS
@@ -103,6 +104,9 @@ def _scheduling_flags(p: argparse.ArgumentParser) -> None:
                    help="a waiting request whose prompt shares a prefix with a prompt another request is still "
                         "prefilling waits for it when that adds at least this many cached tokens, rather than "
                         "compute the prefix again beside it; 0 = never wait (default: 256)")
+    g.add_argument("--grammar-threads", type=_grammar_threads, default=None,
+                   help="structured output: threads each rank's llguidance executor fills token masks with, 1..256 "
+                        "(default: llguidance's own, 80%% of the CPUs, at most 32)")
     g.add_argument("--spec-tokens", type=_non_negative_int, default=0,
                    help=f"speculative decoding: tokens the checkpoint's MTP module drafts per step, verified in one "
                         f"target forward; at most {MAX_SPEC_TOKENS}, needs mtp.* weights (default: 0 = off)")

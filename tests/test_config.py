@@ -110,6 +110,21 @@ def test_the_prefix_wait_flag(tmp_path):
         parse_cli(["--device", "cpu", "--model", folder, "--prefix-wait-tokens", "-1"])
 
 
+def test_the_grammar_threads_flag(tmp_path, capsys):
+    folder = str(_qwen3_5_folder(tmp_path))
+    for argv, threads in (([], 0), (["--grammar-threads", "1"], 1), (["--grammar-threads", "256"], 256)):
+        cfg = parse_cli(["--device", "cpu", "--model", folder, *argv])
+        shutil.rmtree(cfg.run_dir)
+        assert cfg.scheduler.grammar_threads == threads
+        assert HkvConfig.from_json(cfg.to_json()).scheduler.grammar_threads == threads
+    for bad in ("0", "257", "-3", "two"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as failure:
+            parse_cli(["--device", "cpu", "--model", folder, "--grammar-threads", bad])
+        err = capsys.readouterr().err
+        assert failure.value.code == 2 and len(err.strip().splitlines()) == 1 and "--grammar-threads" in err, err
+
+
 def _qwen3_5_9b_folder(tmp_path):
     """Qwen3.5-9B's cache-relevant shape (docs/sizing.md): 8 of 32 layers full attention, 4 KV heads x 256,
     GDN with 16 key heads x 128 and 32 value heads x 128, kernel 4."""

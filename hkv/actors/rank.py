@@ -182,7 +182,8 @@ def _log_graphs(runner: ModelRunner, seconds: float) -> None:
 def _grammar_loader(cfg: HkvConfig, vocab_size: int) -> GrammarLoader:
     """Structured output's tokenizer view, built in a thread while the rank starts."""
     path = os.path.join(cfg.model.path, "tokenizer.json")
-    return GrammarLoader(path if os.path.isfile(path) else None, vocab_size, cfg.model.spec.eos_ids)
+    return GrammarLoader(path if os.path.isfile(path) else None, vocab_size, cfg.model.spec.eos_ids,
+                         threads=cfg.scheduler.grammar_threads or None)
 
 
 def _share_pools(cfg: HkvConfig, runner: ModelRunner) -> None:

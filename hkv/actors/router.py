@@ -417,6 +417,9 @@ class Router:
             # a verify chunk's drafts are neither prompt nor recompute: they count as the tokens they become
             "prefill_tokens": sum(len(c.token_ids) - c.drafts for c in plan.chunks) - sampled,
         })
+        if result.grammar_rows:  # checked by count_result: 0..sampled rows, finite seconds
+            self.stats.add_many({"grammar_steps": 1, "grammar_mask_s": result.grammar_mask_s,
+                                 "grammar_rows": result.grammar_rows, "grammar_wait_s": result.grammar_wait_s})
         if 0 < result.graph <= len(stats.GRAPH_KINDS):  # a rank's value: anything else counts as eager
             self.stats.add(f"graph_steps_{stats.GRAPH_KINDS[result.graph - 1]}", 1)
         self.record_pools()

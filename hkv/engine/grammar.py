@@ -211,15 +211,15 @@ class Grammars:
 
     tokenizer_json: the checkpoint's tokenizer.json; vocab_size: the model's logit rows (ids past the
     tokenizer's are never allowed); eos_ids: the tokens that end a sequence (allowed where the grammar
-    may end, and alone once it has)."""
+    may end, and alone once it has); threads: the mask executor's threads (None: llguidance's default)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], threads: int | None = None):
         llg = _llg()
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self.tokenizer = llg.LLTokenizer(_tokenizer_source(tokenizer_json, vocab_size, self.eos_ids[0]), n_vocab=vocab_size,
                                          eos_token=self.eos_ids)
-        self.executor = llg.LLExecutor()
+        self.executor = llg.LLExecutor(threads)  # None: llguidance's default (80% of the CPUs, at most 32)
         self.words = mask_words(vocab_size)
 
     def matcher(self, constraint: Constraint, consumed: Sequence[int] = ()) -> Matcher:

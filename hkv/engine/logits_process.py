@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,8 +58,10 @@ class GrammarLoader:
     """The rank's Grammars, built once in a thread at start-up (the tokenizer's byte trie takes most
     of a second for a 150k vocabulary) and waited for by the first constrained sequence."""
 
-    def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_ids: Sequence[int]):
+    def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_ids: Sequence[int],
+                 threads: int | None = None):
         self.eos_ids = sorted(eos_ids)
+        self._threads = threads  # llguidance's mask threads (--grammar-threads); None: its default
         self._grammars: Grammars | None = None
         self._error: str | None = None
         self._thread: threading.Thread | None = None
@@ -71,7 +74,7 @@ class GrammarLoader:
 
     def _load(self, path: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
         try:
-            self._grammars = Grammars(path, vocab_size, eos_ids)
+            self._grammars = Grammars(path, vocab_size, eos_ids, self._threads)
         except Exception as exc:  # structured output refuses its requests; the rest serves on
             self._error = f"{type(exc).__name__}: {exc}"
             log.warning("structured output is unavailable: %s", self._error)
@@ -168,11 +171,14 @@ class LogitsProcessor:
         """Some grammar row's matcher still waits for a token a running step samples."""
         return any(self.slots[s].behind for s in slots if s in self.slots and self.slots[s].matcher is not None)
 
-    def apply(self, logits: torch.Tensor, slots: Sequence[int], rows: list[int]) -> None:
+    def apply(self, logits: torch.Tensor, slots: Sequence[int], rows: list[int]) -> tuple[float, int]:
         """Process `logits` ([S, V] fp32, row i sampling for slots[i]) in place at `rows`; every grammar
-        row's matcher must be current (not `behind`)."""
+        row's matcher must be current (not `behind`). Returns (wall seconds filling the grammar rows' masks,
+        live matchers filled): (0.0, 0) without grammar rows (StepResult.grammar_mask_s, grammar_rows)."""
         states = [self.slots[slots[i]] for i in rows]
-        masks = self._fill_masks(states)  # the host's share first: it overlaps the forward the device still runs
+        started = time.perf_counter()
+        masks, live = self._fill_masks(states)  # the host's share first: it overlaps the forward the device runs
+        mask_s = time.perf_counter() - started if masks is not None else 0.0
         index = self._upload(rows, torch.long)
         sub = logits.index_select(0, index)  # [R, V]
         self._bias(sub, states)
@@ -180,6 +186,7 @@ class LogitsProcessor:
         if masks is not None:
             self._mask(sub, *masks)
         logits.index_copy_(0, index, sub)
+        return mask_s, live
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A small host list on the device without waiting: from pinned memory, queued behind the step's work (a
@@ -216,17 +223,17 @@ class LogitsProcessor:
         # the sampler's division by a temperature (>= 1e-5) stays finite too
         sub.index_copy_(0, at, rows.clamp_(-LOGIT_BOUND, LOGIT_BOUND))
 
-    def _fill_masks(self, states: list[SlotState]) -> tuple[list[int], torch.Tensor] | None:
-        """The grammar rows' masks on the host (llguidance's threads): (their rows in `states`, [G, words] int32),
-        or None without grammar rows."""
+    def _fill_masks(self, states: list[SlotState]) -> tuple[tuple[list[int], torch.Tensor] | None, int]:
+        """The grammar rows' masks on the host (llguidance's threads): ((their rows in `states`, [G, words]
+        int32) or None without grammar rows, the live matchers among them: those llguidance computed)."""
         picked = [(r, s.matcher) for r, s in enumerate(states) if s.matcher is not None]
         if not picked:
-            return None
+            return None, 0
         masks = self._mask_buffer(len(picked), mask_words(self.vocab_size))
         matchers = [m for _, m in picked]
-        live = any(not m.done for m in matchers)
+        live = sum(not m.done for m in matchers)
         fill_masks(matchers, masks, self.grammars.get().executor if live else None)
-        return [r for r, _ in picked], masks
+        return ([r for r, _ in picked], masks), live
 
     def _mask(self, sub: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
         """-inf where the grammar rows' masks leave a bit clear."""

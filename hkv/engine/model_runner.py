@@ -69,6 +69,7 @@ class LateSample:
     sample_rows: torch.Tensor  # [S] request-table rows on the device (where last_tokens goes)
     rows: list[SampleRow]
     processed: list[int]  # indexes of the processed rows (hkv/engine/logits_process.py)
+    queued: float = 0.0  # perf_counter once its forward was queued (a late one waits from there)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Launched:
     graph: int = STEP_EAGER  # how its forward ran (StepResult.graph)
     late: LateSample | None = None  # sampled by `complete`, after the previous step's answer
     matched: dict[int, int] | None = None  # slot -> req_id of its grammar rows: their matchers take the tokens
+    grammar: tuple[float, int, float] = (0.0, 0, 0.0)  # mask fill seconds, live rows, late wait seconds
 
     def done(self) -> bool:
         """The device finished it (its sampled ids are on the host)."""
@@ -229,29 +231,31 @@ class ModelRunner:
                         for c in plan.chunks if c.sample]
                 processed = self.processor.rows(slots)
                 matched = self.processor.matched(slots)
-                late = LateSample(logits, sample_rows, rows, processed)
+                late = LateSample(logits, sample_rows, rows, processed, time.perf_counter())
                 if processed and self.processor.behind(slots):  # sampled once the step before is answered
                     return Launched(plan, slots, None, started, peer_timings=timings, graph=graph, late=late,
                                     matched=matched)
-                pending = self._sample(slots, late)
+                pending, grammar = self._sample(slots, late)
         except Exception as exc:  # a failed step fails its requests, not the rank
             # a pair transfer the failure kept from its worker ends now: its router must not wait for it
             self._refused += [TransferDone(op.transfer_id, False, f"its step failed first: {type(exc).__name__}")
                               for op in plan.ops if isinstance(op, (PeerSend, PeerRecv))
                               and op.transfer_id not in self._handed]
             return Launched(plan, [], None, started, f"{type(exc).__name__}: {exc}")
-        return Launched(plan, slots, pending, started, peer_timings=timings, graph=graph, matched=matched)
+        return Launched(plan, slots, pending, started, peer_timings=timings, graph=graph, matched=matched,
+                        grammar=grammar)
 
-    def _sample(self, slots: list[int], late: LateSample) -> PendingSample:
-        """Process and sample a step's logits; the ids land in last_tokens on the device."""
-        if late.processed:
-            self.processor.apply(late.logits, slots, late.processed)
+    def _sample(self, slots: list[int], late: LateSample, wait_s: float = 0.0
+                ) -> tuple[PendingSample, tuple[float, int, float]]:
+        """Process and sample a step's logits; the ids land in last_tokens on the device. Also returns
+        (mask fill seconds, live grammar rows, `wait_s`) for StepResult's grammar figures."""
+        mask_s, live = self.processor.apply(late.logits, slots, late.processed) if late.processed else (0.0, 0)
         pending = sample_async(late.logits, late.rows)
         if late.processed:
             self.processor.sampled(slots, late.processed, pending.ids)
         if late.rows:
             self.last_tokens.index_copy_(0, late.sample_rows, pending.ids)
-        return pending
+        return pending, (mask_s, live, wait_s if live else 0.0)
 
     def complete(self, launched: "Launched") -> None:
         """Sample a launched step that waited for its predecessor's tokens (`Launched.late`); the rank calls
@@ -261,7 +265,8 @@ class ModelRunner:
             return
         try:
             with torch.inference_mode():
-                launched.sample = self._sample(launched.slots, late)
+                wait_s = time.perf_counter() - late.queued  # for the step before's answer
+                launched.sample, launched.grammar = self._sample(launched.slots, late, wait_s)
         except Exception as exc:  # as a failed launch: the step fails its requests
             launched.error = f"{type(exc).__name__}: {exc}"
 
@@ -281,7 +286,9 @@ class ModelRunner:
             _log_peer_copies(launched.peer_timings)
         sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(launched.slots, outs)]
         self._consume(launched, sampled)
-        return StepResult(plan.step, sampled, forward_s, graph=launched.graph, transfers=self._transfers())
+        mask_s, rows, wait_s = launched.grammar
+        return StepResult(plan.step, sampled, forward_s, graph=launched.graph, transfers=self._transfers(),
+                          grammar_mask_s=mask_s, grammar_rows=rows, grammar_wait_s=wait_s)
 
     def _consume(self, launched: "Launched", sampled: list[Sampled]) -> None:
         """Grammar rows' matchers take the tokens their step emitted."""

@@ -131,6 +131,10 @@ def _result(result: StepResult, plan: StepPlan, vocab_size: int) -> str | None:
     sampling_slots = [c.slot for c in plan.chunks if c.sample]
     if [s.slot for s in result.sampled] != sampling_slots:
         return f"sampled slots {[s.slot for s in result.sampled][:8]} do not match the plan's {sampling_slots[:8]}"
+    if not 0 <= result.grammar_rows <= len(result.sampled) or not all(
+            _within(v, 0.0, 3600.0) for v in (result.grammar_mask_s, result.grammar_wait_s)):
+        return f"grammar figures out of range ({result.grammar_rows} rows, {result.grammar_mask_s} s, " \
+               f"{result.grammar_wait_s} s)"
     drafts = {c.slot: c.drafts for c in plan.chunks if c.sample}
     for s in result.sampled:
         if len(s.extra) > drafts[s.slot]:

@@ -438,6 +438,12 @@ class StepResult(msgspec.Struct, frozen=True, tag="result"):
     malformed: int = 0  # plans this rank dropped since start because they did not decode (link rank_in)
     graph: int = STEP_EAGER  # STEP_*: how the forward ran
     transfers: list[TransferDone] = []  # pair-group transfers that ended since the rank's last result
+    # structured output (a step with grammar rows, else all 0): wall seconds filling its masks (llguidance),
+    # the live matchers filled, and the seconds a late-sampled step waited between its forward being queued
+    # and its masks starting (the previous step's answer); hkv_engine_grammar_* in /metrics
+    grammar_mask_s: float = 0.0
+    grammar_rows: int = 0
+    grammar_wait_s: float = 0.0
 
 
 class RankReady(msgspec.Struct, frozen=True, tag="ready"):

@@ -14,7 +14,8 @@ from hkv.engine.validate import MAX_SPEC_TOKENS
 
 REGION = "router_stats"
 GRAPH_KINDS = ("decode", "short_prefill", "verify", "mixed")  # StepResult.graph 1 to 4 (hkv.ipc.messages.STEP_*)
-VERSION = 9  # 5: cached_tokens_peer; 6: graph_steps_*; 7: pd_pair_*; 8: graph_steps_mixed; 9: prefix_waits
+VERSION = 10  # 5: cached_tokens_peer; 6: graph_steps_*; 7: pd_pair_*; 8: graph_steps_mixed; 9: prefix_waits;
+#              10: grammar_*
 
 FIELDS = (
     "steps",  # steps run
@@ -62,6 +63,10 @@ FIELDS = (
     # counters: verify steps of one sequence that accepted i drafts, i = 0..MAX_SPEC_TOKENS
     *(f"spec_accepted_{i}" for i in range(MAX_SPEC_TOKENS + 1)),
     "prefix_waits",  # counter: requests that waited for a prefix another request was prefilling (once each)
+    "grammar_steps",  # counter: steps with live grammar rows (structured output), as their results report
+    "grammar_mask_s",  # counter: seconds those steps' ranks spent filling masks (llguidance), summed
+    "grammar_rows",  # counter: live matchers those fills computed, summed
+    "grammar_wait_s",  # counter: seconds late-sampled steps waited, forward queued to masks started, summed
 )
 NBYTES = len(FIELDS) * 8
 

@@ -38,6 +38,12 @@ class _EngineStatsCollector:
         ("hkv_engine_steps", "Steps the engine ran", "steps"),
         ("hkv_engine_step_seconds", "Seconds of steps, scheduling to result applied", "step_wall_s"),
         ("hkv_engine_forward_seconds", "Seconds ranks spent in the model forward", "forward_s"),
+        ("hkv_engine_grammar_steps", "Steps with live grammar rows (structured output)", "grammar_steps"),
+        ("hkv_engine_grammar_mask_seconds", "Seconds ranks spent filling those steps' token masks (wall, "
+         "llguidance)", "grammar_mask_s"),
+        ("hkv_engine_grammar_rows", "Live grammar rows whose masks those steps filled", "grammar_rows"),
+        ("hkv_engine_grammar_wait_seconds", "Seconds late-sampled grammar steps waited between their forward "
+         "being queued and their masks starting (the step before's answer)", "grammar_wait_s"),
         ("hkv_engine_prefill_tokens", "Prompt (and recomputed) tokens run", "prefill_tokens"),
         ("hkv_engine_preemptions", "Sequences preempted for pages", "preemptions"),
         ("hkv_engine_prefix_waits", "Requests that waited for a prefix another request was prefilling", "prefix_waits"),

@@ -130,7 +130,8 @@ def qwen3_folder(builtin_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(qwen3_folder, tmp_path_factory):
-    yield from _serve(["--model", str(qwen3_folder), "--reasoning-parser", "qwen3"], tmp_path_factory)
+    yield from _serve(["--model", str(qwen3_folder), "--reasoning-parser", "qwen3", "--grammar-threads", "2"],
+                      tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +175,12 @@ def tagged_client(builtin_dir, tmp_path_factory):
     _grow_vocabulary(folder, QWEN_TAGS, added=True)
     for server in _serve(["--model", str(folder), "--reasoning-parser", "qwen3"], tmp_path_factory):
         yield _client(server)
+
+
+def _grammar_metrics(url: str) -> dict[str, float]:
+    """The server's hkv_engine_grammar_* counters and hkv_engine_steps_total, from its /metrics text."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return {m[1]: float(m[3]) for m in re.finditer(r"^(hkv_engine_(grammar_\w+|steps)_total) (\S+)$", text, re.M)}
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -475,13 +482,25 @@ def test_json_schema_constrained_50_of_50(request, model):
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
     valid = jsonschema_rs.validator_for(ANSWER)
     choices = []
+    before = _grammar_metrics(client.server_url)
+    tokens = 0
     for seed in range(5):
-        choices += client.chat.completions.create(
+        answer = client.chat.completions.create(
             model=client.model_id, messages=[{"role": "user", "content": "Describe a list as JSON."}], n=10,
-            max_tokens=160, temperature=1.0, seed=seed, response_format=fmt).choices
+            max_tokens=160, temperature=1.0, seed=seed, response_format=fmt)
+        choices += answer.choices
+        tokens += answer.usage.completion_tokens
     assert [c.finish_reason for c in choices] == ["stop"] * 50
     answers = [json.loads(c.message.content) for c in choices]
     assert all(valid.is_valid(a) and conforms(a, ANSWER) for a in answers), answers
+    # the ranks counted the mask fills: every answer's tokens but the EOS after its grammar ended were live rows
+    after = _grammar_metrics(client.server_url)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["hkv_engine_grammar_steps_total"] > 0 and delta["hkv_engine_grammar_mask_seconds_total"] > 0, delta
+    assert delta["hkv_engine_grammar_steps_total"] <= delta["hkv_engine_steps_total"], delta
+    # each answer is more than 5 tokens of JSON; its last token (EOS, once the grammar is done) was no live row
+    assert 50 * 5 <= delta["hkv_engine_grammar_rows_total"] <= tokens - 50, (delta, tokens)
+    assert delta["hkv_engine_grammar_wait_seconds_total"] == 0.0, delta  # on CPU a step samples at once
 
 
 # Qwen3's and Qwen3.5's tokenizers carry their tags as added tokens that are no special tokens. llguidance

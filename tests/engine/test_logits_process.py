@@ -122,6 +122,45 @@ def test_a_grammar_row_is_masked_and_waits_for_its_tokens(loader):
     assert not proc.behind(slots)
 
 
+def test_the_mask_fill_is_timed_and_its_live_rows_counted(loader, monkeypatch):
+    """StepResult.grammar_mask_s / grammar_rows: a fill that takes 50 ms more shows as >= 50 ms; a finished
+    matcher (EOS only) is no live row, a plain row none at all."""
+    import time
+
+    from hkv.engine import logits_process
+
+    real = logits_process.fill_masks
+
+    def slow_fill(matchers, masks, executor=None):
+        time.sleep(0.05)
+        real(matchers, masks, executor)
+
+    monkeypatch.setattr(logits_process, "fill_masks", slow_fill)
+    proc = LogitsProcessor(V, torch.device("cpu"), loader)
+    proc.admit(seq(1, 5, constraint=Constraint("regex", "[0-9]{3}")))
+    proc.admit(seq(2, 6, constraint=Constraint("regex", "[0-9]{3}")))
+    proc.admit(seq(3, 7, logit_bias={5: 1.0}))
+    proc.slots[2].matcher.failed = True  # only EOS from now on: filled here, not by llguidance
+    slots = [3, 1, 2, 0]
+    mask_s, live = proc.apply(torch.zeros(4, V), slots, proc.rows(slots))
+    assert live == 1 and 0.05 <= mask_s < 5.0
+    assert proc.apply(torch.zeros(1, V), [3], [0]) == (0.0, 0)  # no grammar row: nothing filled, nothing timed
+
+
+def test_grammars_take_the_thread_count(loader):
+    threaded = GrammarLoader(str(SHIPPED_DIR / "tokenizer.json"), V, [EOS], threads=2)
+    proc = LogitsProcessor(V, torch.device("cpu"), threaded)
+    proc.admit(seq(1, 5, constraint=Constraint("regex", "[0-9]{3}")))
+    logits = torch.zeros(1, V)
+    _, live = proc.apply(logits, [1], [0])
+    assert live == 1 and threaded._threads == 2
+    reference = torch.zeros(1, V)
+    other = LogitsProcessor(V, torch.device("cpu"), loader)
+    other.admit(seq(1, 5, constraint=Constraint("regex", "[0-9]{3}")))
+    other.apply(reference, [1], [0])
+    assert torch.equal(logits, reference)  # two threads mask as the default count does
+
+
 def test_a_grammar_that_fails_on_the_rank_ends_its_sequence(loader, caplog):
     proc = LogitsProcessor(V, torch.device("cpu"), loader)
     proc.admit(seq(0, 9, constraint=Constraint("lark", "start: nothing_defined")))

@@ -187,6 +187,7 @@ def test_a_grammar_row_planned_ahead_samples_once_the_step_before_is_answered():
     for ahead in (False, True):
         runner, driver = _grammar_runner(vocab, loader)
         tokens: dict[int, list[int]] = {0: [], 1: []}
+        figures = []  # (grammar_rows, grammar_mask_s, grammar_wait_s) of each result
         first = driver.plan([(0, [5, 6, 7]), (1, [8, 9])], [])
         launched, late = runner.launch(StepPlan(1, new, first.chunks, [])), 0
         for step in range(2, steps + 1):
@@ -199,10 +200,17 @@ def test_a_grammar_row_planned_ahead_samples_once_the_step_before_is_answered():
                 result = runner.finish(launched)
             for s in result.sampled:
                 tokens[s.slot].append(s.token_id)
+            figures.append((result.grammar_rows, result.grammar_mask_s, result.grammar_wait_s))
             launched = nxt if ahead else runner.launch(_decode_plan(driver, step, {s: t[-1] for s, t in tokens.items()}))
         for s in runner.finish(launched).sampled:
             tokens[s.slot].append(s.token_id)
         runs.append((tokens, late))
+        # the constrained row is live until its grammar is done (then EOS only, no live row); one row at most
+        live = [rows for rows, _, _ in figures]
+        assert live[0] == 1 and all(r in (0, 1) for r in live) and live == sorted(live, reverse=True), live
+        assert all((m > 0) == (r == 1) for r, m, _ in figures), figures
+        # a late step waited for the step before's answer; one sampled at launch waited for nothing
+        assert all((w > 0) == (ahead and r == 1 and i > 0) for i, (r, _, w) in enumerate(figures)), figures
     (want, _), (got, late) = runs
     assert got == want and late == steps - 1  # every step after the first sampled late
     ended = want[0].index(0) if 0 in want[0] else len(want[0])  # EOS ends it once the grammar is done

@@ -88,3 +88,17 @@ def test_results_must_answer_the_plan(sampled, fragment):
 
 def test_a_failed_step_is_a_valid_answer():
     assert InboxCheck(LIMITS).result(StepResult(3, [], 0.0, "boom"), _plan()) is None
+
+
+@pytest.mark.parametrize("figures, ok", [
+    (dict(grammar_rows=2, grammar_mask_s=0.004, grammar_wait_s=0.001), True),
+    (dict(grammar_rows=3), False),  # more live rows than sampled ones
+    (dict(grammar_rows=-1), False),
+    (dict(grammar_rows=1, grammar_mask_s=math.nan), False),
+    (dict(grammar_rows=1, grammar_wait_s=-0.5), False),
+    (dict(grammar_rows=1, grammar_mask_s=math.inf), False),
+])
+def test_a_results_grammar_figures_are_checked(figures, ok):
+    sampled = [Sampled(0, 5, None, None), Sampled(2, 6, None, None)]
+    reason = InboxCheck(LIMITS).result(StepResult(3, sampled, 0.01, **figures), _plan())
+    assert (reason is None) == ok and (ok or "grammar figures" in reason)

@@ -40,3 +40,10 @@ def test_graph_steps_by_kind():
     text = render(engine_values(graph_steps_decode=7, graph_steps_short_prefill=2, graph_steps_mixed=3), None)
     for kind, n in (("decode", 7), ("short_prefill", 2), ("verify", 0), ("mixed", 3)):
         assert f'hkv_engine_graph_steps_total{{kind="{kind}"}} {float(n)}' in text
+
+
+def test_grammar_mask_figures():
+    text = render(engine_values(grammar_steps=4, grammar_mask_s=0.006, grammar_rows=96, grammar_wait_s=0.002), None)
+    for line in ("hkv_engine_grammar_steps_total 4.0", "hkv_engine_grammar_mask_seconds_total 0.006",
+                 "hkv_engine_grammar_rows_total 96.0", "hkv_engine_grammar_wait_seconds_total 0.002"):
+        assert line in text

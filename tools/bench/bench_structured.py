@@ -3,6 +3,7 @@ first none of them constrained, then C of them with a JSON schema, in one run.
 
     python -m tools.bench.bench_structured --url http://127.0.0.1:8000 [--streams 64] [--constrained 32]
                                      [--input-len 128] [--output-len 256] [--vocab V] [--json out.json]
+                                     [--schema bounded|unbounded]
 
 Every stream is a greedy /v1/completions with a random token-id prompt. The unconstrained ones run
 to --output-len (`ignore_eos`); the constrained ones carry `response_format` with SCHEMA, an array
@@ -13,6 +14,11 @@ hkv_engine_step_seconds over hkv_engine_steps, prefills included, the same in bo
 streams' median inter-token latency (the decode step as a client sees it) and mean TPOT, per
 round, and the constrained round's over the plain one's. The constrained answers are read back
 (/detokenize) and must begin as SCHEMA's do, so a mask that let a stray token through shows.
+
+Where the constrained round's time goes, from the ranks' own figures (hkv_engine_grammar_* in /metrics):
+the mean mask fill per step with grammar rows (llguidance, wall), the mean live rows it filled, and the
+mean wait of a late-sampled step for the step before's answer. `--schema unbounded` drops the name's
+maxLength (llguidance's slow case is a token inside a bounded string), so two runs on one server compare.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import aiohttp
 
 from tools.bench.bench_client import RequestResult, completion_body, scrape_metrics, stream_completion
 
+# --schema bounded (unbounded: the same without maxLength)
 SCHEMA = {"type": "array", "minItems": 40, "items": {
     "type": "object",
     "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
@@ -36,6 +43,15 @@ SCHEMA = {"type": "array", "minItems": 40, "items": {
                    "kind": {"enum": ["tool", "note", "task", "event"]},
                    "done": {"type": "boolean"}},
     "required": ["id", "name", "kind", "done"], "additionalProperties": False}}
+GRAMMAR_COUNTERS = ("steps", "mask_seconds", "rows", "wait_seconds")  # hkv_engine_grammar_<name>_total
+
+
+def schema_of(name: str) -> dict:
+    """--schema: bounded = SCHEMA; unbounded = SCHEMA without the string's maxLength."""
+    if name == "bounded":
+        return SCHEMA
+    properties = {**SCHEMA["items"]["properties"], "name": {"type": "string"}}
+    return {**SCHEMA, "items": {**SCHEMA["items"], "properties": properties}}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=None, help="prompt ids below this (default: the server's vocab_size, "
                                                            "from /v1/models)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: 0)")
+    p.add_argument("--schema", choices=("bounded", "unbounded"), default="bounded",
+                   help="the constrained streams' schema: bounded = SCHEMA (a maxLength 16 string), unbounded = "
+                        "the same without maxLength (default: bounded)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here as JSON (default: none)")
     return p
 
@@ -58,11 +77,11 @@ async def _model_card(http: aiohttp.ClientSession, url: str) -> dict:
         return (await resp.json())["data"][0]
 
 
-def _body(model: str, prompt: tuple[int, ...], output_len: int, constrained: bool) -> dict:
+def _body(model: str, prompt: tuple[int, ...], output_len: int, constrained: bool, schema: dict) -> dict:
     body = completion_body(model, prompt, output_len)
     if constrained:  # runs to output_len anyway: SCHEMA is longer; a grammar refuses ignore_eos
         del body["ignore_eos"]
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "items", "schema": SCHEMA}}
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "items", "schema": schema}}
     return body
 
 
@@ -73,7 +92,7 @@ async def _round(http: aiohttp.ClientSession, args: argparse.Namespace, model: s
     kinds = [i < constrained for i in range(args.streams)]
     results = [RequestResult(p, 0.0) for p in prompts]
     before = await scrape_metrics(http, args.url)
-    await asyncio.gather(*(stream_completion(http, args.url, _body(model, p, args.output_len, k), r)
+    await asyncio.gather(*(stream_completion(http, args.url, _body(model, p, args.output_len, k, schema_of(args.schema)), r)
                            for p, k, r in zip(prompts, kinds, results)))
     after = await scrape_metrics(http, args.url)
     return results, kinds, before, after
@@ -87,6 +106,21 @@ def _step_ms(before: dict | None, after: dict | None) -> float | None:
     return 1e3 * seconds / steps if steps else None
 
 
+def grammar_figures(before: dict | None, after: dict | None) -> dict | None:
+    """The ranks' mask figures between two scrapes: steps with grammar rows, the mean mask fill (ms) and
+    live rows per such step, the mean late wait (ms); None without both scrapes or with no such step."""
+    if not before or not after:
+        return None
+    delta = {k: after.get(f"hkv_engine_grammar_{k}_total", 0.0) - before.get(f"hkv_engine_grammar_{k}_total", 0.0)
+             for k in GRAMMAR_COUNTERS}
+    steps = delta["steps"]
+    if steps <= 0:
+        return None
+    return {"steps": int(steps), "mask_ms": 1e3 * delta["mask_seconds"] / steps, "rows": delta["rows"] / steps,
+            "wait_ms": 1e3 * delta["wait_seconds"] / steps,
+            "mask_us_per_row": 1e6 * delta["mask_seconds"] / delta["rows"] if delta["rows"] else None}
+
+
 def _figures(results: list[RequestResult], kinds: list[bool], before, after) -> dict:
     errors = [r.error for r in results if r.error]
     if errors:
@@ -98,7 +132,8 @@ def _figures(results: list[RequestResult], kinds: list[bool], before, after) -> 
         if tpots:
             groups[name] = {"streams": len(tpots), "tpot_ms": 1e3 * statistics.mean(tpots),
                             "tokens": sum(len(r.output) for r, k in zip(results, kinds) if k == want)}
-    return {"step_ms": _step_ms(before, after), "itl_median_ms": 1e3 * statistics.median(itls), "groups": groups}
+    return {"step_ms": _step_ms(before, after), "itl_median_ms": 1e3 * statistics.median(itls), "groups": groups,
+            "grammar": grammar_figures(before, after)}
 
 
 async def _texts(http: aiohttp.ClientSession, url: str, results: list[RequestResult]) -> list[str]:
@@ -123,7 +158,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         texts = await _texts(http, args.url, [r for r, k in zip(results, kinds) if k])
     # SCHEMA's answers begin so (compact JSON); a token the mask should have refused shows as another start
     malformed = [t for t in texts if not t.startswith('[{"id": ')]
-    out = {"streams": args.streams, "constrained": args.constrained, "input_len": args.input_len,
+    out = {"streams": args.streams, "constrained": args.constrained, "schema": args.schema, "input_len": args.input_len,
            "output_len": args.output_len, "plain": plain, "mixed": mixed, "sample": texts[0][:200] if texts else "",
            "malformed": len(malformed)}
     for key in ("step_ms", "itl_median_ms"):
@@ -134,7 +169,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 def report(out: dict) -> str:
     lines = [f"{out['streams']} streams of {out['input_len']} + {out['output_len']} tokens; "
-             f"{out['constrained']} constrained in the second round"]
+             f"{out['constrained']} constrained ({out.get('schema', 'bounded')} schema) in the second round"]
     for name in ("plain", "mixed"):
         r = out[name]
         step = f"{r['step_ms']:.3f}" if r["step_ms"] else "-"
@@ -143,6 +178,10 @@ def report(out: dict) -> str:
     for key in ("step_ms_ratio", "itl_median_ms_ratio"):
         if key in out:
             lines.append(f"{key.replace('_ms_ratio', '')} constrained / plain: {out[key]:.3f}")
+    g = out["mixed"].get("grammar")
+    lines.append("grammar masks: none counted (a server without hkv_engine_grammar_*?)" if not g else
+                 f"grammar masks: {g['mask_ms']:.3f} ms a step with grammar rows ({g['steps']} steps, "
+                 f"{g['rows']:.1f} live rows, {g['mask_us_per_row'] or 0:.1f} us a row), late wait {g['wait_ms']:.3f} ms")
     lines.append(f"a constrained answer: {out['sample']!r}; answers not starting as SCHEMA's: {out['malformed']}")
     return "\n".join(lines)
 

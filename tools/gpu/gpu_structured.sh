@@ -4,7 +4,9 @@
 # with 64 running, and tools/bench/bench_structured: 64 streams, then 32 of them with a JSON schema.
 #   run: bash tools/gpu/gpu_structured.sh   (carry .whl: fla-core, llguidance and the serving wheels; .bench: the
 #        tokenizer, written by `python -m tools.bench.bench_grammar --train-vocab 151000` or any tokenizer.json)
-# Results: $OUT/structured.json and $OUT/gpu_structured.log.
+# A second constrained round on the same server uses the schema without maxLength (--schema unbounded); both print
+# the ranks' mask figures (mean fill ms and live rows a step with grammar rows, late wait ms).
+# Results: $OUT/structured.json, $OUT/structured_unbounded.json and $OUT/gpu_structured.log.
 set -uo pipefail
 source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 MODEL=${STRUCTURED_MODEL:-/tmp/bench_model_151k}
@@ -24,6 +26,12 @@ say "server: the benchmark model, bf16, 64 running"
 start s_structured --max-running-requests 64 && {
   timeout 400 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
     --json "$OUT/structured.json" 2>&1 | tee -a "$LOG"
+  say "the same server, the schema without maxLength (llguidance's cheap case: is the bounded string the cost?)"
+  timeout 200 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
+    --schema unbounded --json "$OUT/structured_unbounded.json" 2>&1 | tee -a "$LOG"
+  say "mask figures since start (hkv_engine_grammar_*: steps, fill seconds, live rows, late wait seconds)"
+  curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_(grammar_|steps_total|step_seconds_total)" \
+    | tee -a "$LOG"
   grep -h "structured output\|grammar\|without drafts" /tmp/s_structured.err | head -5 | tee -a "$LOG"
   stop
   grep -h "done in\|ready in" /tmp/s_structured.err /tmp/s_structured.out | tee "$OUT/startup_first.log" >/dev/null
