@@ -15,13 +15,17 @@ def fp8_bits(x, scale):
     Built by hand because the interpreter's fp32 -> fp8 cast is wrong when the rounding carries
     (127.0 gave 64.0) and drops the sign of zero; on the GPU this equals the hardware's cast.
     """
-    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+    # division rounded to nearest as torch's is (the GPU's `/` is an approximation: ties then round apart)
+    y = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
     negative = y.to(tl.int32, bitcast=True) < 0
     a = tl.abs(y)
     exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     # 3 mantissa bits; below 2^-6 the subnormals' fixed step 2^-9
-    ulp = tl.exp2((tl.maximum(exponent, -6) - 3).to(tl.float32))
-    a = ((a / ulp + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2^23: fp32 addition rounds to an integer, ties even
+    # (powers of two built from their bits: exact, where the GPU's exp2 and division are approximations)
+    step = tl.maximum(exponent, -6) - 3  # in [-9, 5]
+    ulp = ((step + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - step) << 23).to(tl.float32, bitcast=True)
+    a = ((a * inverse + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2^23: fp32 addition rounds to an integer, ties even
     abits = a.to(tl.int32, bitcast=True)
     exponent = ((abits >> 23) & 0xFF) - 127  # rounding may carry into the next binade
     normal = ((exponent + 7) << 3) | ((abits >> 20) & 7)
