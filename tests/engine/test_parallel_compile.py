@@ -6,10 +6,12 @@ import threading
 import time
 
 import pytest
-from triton import Config
-from triton.runtime.autotuner import Autotuner
 
 from hkv.engine import parallel_compile
+
+# Triton is imported inside the tests, not here: a module-level import while pytest collects this folder
+# would define triton.language's own @jit helpers before tests/kernels/conftest.py sets TRITON_INTERPRET,
+# and every interpreted kernel test after it would fail ("Cannot call @triton.jit'd outside ...").
 
 
 def _kernel_body(x, n, BLOCK):  # the autotuner walks .fn down to a plain function
@@ -46,7 +48,10 @@ class FakeKernel:
         return None
 
 
-def _tuner(kernel: FakeKernel, blocks=(16, 32, 64, 128), fastest: int = 64) -> Autotuner:
+def _tuner(kernel: FakeKernel, blocks=(16, 32, 64, 128), fastest: int = 64):
+    from triton import Config
+    from triton.runtime.autotuner import Autotuner
+
     def bench(kernel_call, quantiles):  # "times" the launch: the config whose BLOCK is `fastest` wins
         kernel_call()
         block = kernel.events[-1][1]
@@ -101,6 +106,8 @@ def test_a_config_that_fails_to_compile_is_left_to_the_benchmark(installed):
 
 
 def test_uninstall_restores_triton_and_install_is_idempotent():
+    from triton.runtime.autotuner import Autotuner
+
     original = Autotuner._bench
     parallel_compile.install(workers=2)
     wrapped = Autotuner._bench

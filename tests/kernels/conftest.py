@@ -5,11 +5,18 @@ is set here, when pytest loads this folder, ahead of the test modules' imports.
 """
 
 import os
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        # triton.language's own @jit helpers (tl.zeros ...) were defined compiled, not interpreted: every
+        # interpreted kernel would fail with "Cannot call @triton.jit'd outside of the scope of a kernel"
+        raise pytest.UsageError("triton was imported before tests/kernels/conftest.py set TRITON_INTERPRET: "
+                                "a test module collected earlier imports it at module level; import it inside "
+                                "the test instead")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
