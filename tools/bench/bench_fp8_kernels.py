@@ -1,5 +1,6 @@
 """The FP8 section of tools/bench/bench_kernels.py (`--only fp8`): block-FP8 GEMMs on the benchmark
-model's decode projections (bench_kernels.DECODE_GEMMS) at M = 1, 32, 64, against cuBLAS bf16.
+model's projections (bench_kernels.DECODE_GEMMS) at M = 1, 32, 64 (decode) and 2048 (a prefill chunk:
+does FP8 cost prefill time?), against cuBLAS bf16.
 
 Two FP8 implementations, each checked against the dequantizing reference before it is timed:
 - hkv's Triton weight-only GEMM (hkv_kernels/fp8_gemm): bf16 activations, the weights dequantized in
@@ -25,6 +26,7 @@ from hkv_kernels.fp8_gemm.reference import FP8_MAX, fp8_linear_ref, quantize
 from hkv_kernels.fp8_gemm.triton_fp8_gemm import fp8_linear
 
 GB = 1e9
+ROWS = (1, 32, 64, 2048)  # decode batches, then one prefill chunk
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -62,7 +64,7 @@ def bench_fp8(row: Callable, bench: Callable) -> None:
         print(f"fp8: torch {torch.__version__} has no block-scaled scaled_mm; timing hkv's kernel only", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     totals: dict[tuple[int, str], float] = {}
-    for rows in (1, 32, 64):
+    for rows in ROWS:
         for name, n, k, count in DECODE_GEMMS:
             w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
             q, scale = quantize(w)
@@ -80,9 +82,9 @@ def bench_fp8(row: Callable, bench: Callable) -> None:
             if blockwise is not None:
                 _bench_scaled_mm(row, bench, blockwise, (x, q, scale, ref), shape, gbytes, bf16_ms, name)
             del w, q, scale, x, ref
-    for rows in (1, 32, 64):
+    for rows in ROWS:
         bf16, fp8 = totals[rows, "bf16"], totals[rows, "fp8"]
-        print(f"decode step GEMMs, M{rows}: bf16 {bf16:.3f} ms, hkv FP8 {fp8:.3f} ms (x{bf16 / fp8:.2f})", flush=True)
+        print(f"a step's GEMMs, M{rows}: bf16 {bf16:.3f} ms, hkv FP8 {fp8:.3f} ms (x{bf16 / fp8:.2f})", flush=True)
         row("fp8_gemm_step_total", f"M{rows}", fp8, base_name="bf16 F.linear", base_ms=bf16)
 
 
