@@ -31,7 +31,7 @@ start s_structured --max-running-requests 64 && {
   timeout 200 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
     --schema unbounded --json "$OUT/structured_unbounded.json" 2>&1 | tee -a "$LOG"
   say "mask figures since start (hkv_engine_grammar_*: steps, fill seconds, live rows, late wait seconds)"
-  curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_(grammar_|steps_total|step_seconds_total)" \
+  curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_(grammar_|steps_total|step_seconds_total|graph_steps_total)" \
     | tee -a "$LOG"
   grep -h "structured output\|grammar\|without drafts" /tmp/s_structured.err | head -5 | tee -a "$LOG"
   stop
