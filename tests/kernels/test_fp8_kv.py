@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hkv_kernels.fp8 import to_cache
+from hkv_kernels.fp8 import from_cache, to_cache
 from hkv_kernels.kv_quant import FP8, dequantize, quantize
 from hkv_kernels.meta import build_meta
 from hkv_kernels.paged_attention.reference import paged_attention_ref
@@ -39,6 +39,27 @@ def test_fp8_store_rounds_like_torch(device, dtype, scale):
     want = quantize(x, FP8, scale)
     bad = got.cpu().view(torch.uint8) != want.view(torch.uint8)
     assert not bad.any(), f"{int(bad.sum())} values differ, e.g. {x[bad][:4].tolist()}"
+
+
+@triton.jit
+def _read_kernel(x_ptr, y_ptr, scale, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    tl.store(y_ptr + i, from_cache(x, scale, y_ptr.dtype.element_ty, True), mask=i < n)
+
+
+@pytest.mark.parametrize("device,dtype", cases())
+def test_fp8_read_is_the_dequantized_value(device, dtype):
+    """Every FP8 byte read in a kernel (masked load, fp8 -> fp32, times the scale, to the attention's
+    dtype) equals the torch form: the smallest piece of the paged attention's FP8 path, so a failure
+    of the attention tests on a GPU shows whether the read itself is wrong."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8)
+    values = values[~values.float().isnan()]
+    got = torch.empty(values.numel(), dtype=dtype, device=device)
+    _read_kernel[(triton.cdiv(values.numel(), 128),)](values.to(device), got, 0.37, values.numel(), BLOCK=128)
+    want = dequantize(values, dtype, 0.37)
+    bad = got.cpu() != want
+    assert not bad.any(), f"{int(bad.sum())} values differ, e.g. {values[bad][:4].float().tolist()}"
 
 
 def _fp8_pages(pages, page_size, heads, dim, gen, scale):
