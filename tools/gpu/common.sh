@@ -1,6 +1,7 @@
 # Sourced by the tools/gpu/*.sh device scripts, from the repository root: the environment of a device call
 # (OUT, the carried wheels, this tree first on PYTHONPATH), and start/stop of one hkv-launch server
-# (which needs MODEL, PORT, LOG and say(); DEVICE defaults to cuda, START_WAIT (half-seconds) to 600).
+# (which needs MODEL, PORT and LOG; DEVICE defaults to cuda, START_WAIT (half-seconds) to 600), and the helpers
+# wants, say and served_sweep.
 
 OUT=${OUT:-.out}  # the device tool's folder of files that come back (./.out by hand)
 mkdir -p "$OUT"
@@ -10,6 +11,23 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (.whl/): fla-core, llgu
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+wants() { [[ ,$parts, == *,$1,* ]]; }  # wants PART: the script's $parts (comma-separated) names it
+say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }  # a timestamped line, also into $LOG
+
+served_sweep() {  # served_sweep NAME [flags of the c = 32 run]: hkv-bench at concurrency 1, 32 and 64 against the
+  # server on $PORT (random 512 + 128 tokens; 4 prompts at c = 1, 2c else) into $OUT/NAME_c<c>.json; sets `results`
+  local name=$1 c n; shift
+  results=()
+  for c in 1 32 64; do
+    n=$((c == 1 ? 4 : 2 * c))
+    local extra=(); [[ $c == 32 ]] && extra=("$@")
+    timeout 420 python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --no-progress \
+      --json "$OUT/${name}_c$c.json" --workload random --input-len 512 --range-ratio 1 --output-len 128 \
+      --num-prompts $n --concurrency $c --warmup 2 "${extra[@]}" 2>&1 | tail -22 | sed "s/^/[c$c] /" | tee -a "$LOG"
+    results+=("c$c=$OUT/${name}_c$c.json")
+  done
+}
 
 start() {  # start NAME [flags...]: a server on $PORT, waits for /ready; ROOT=dir serves that tree's hkv
   local name=$1; shift

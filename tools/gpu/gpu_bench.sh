@@ -22,9 +22,7 @@ if [[ -n ${SMOKE:-} ]]; then IN=64 GEN=4 LONG=600 LEVELS="1 4" VOCAB=1536 MEM=()
 LOG="$OUT/gpu_bench.log"
 PORT=8100
 SERVER_PID=
-wants() { [[ ,$parts, == *,$1,* ]]; }
 wants spec && parts="$parts,spec-test,spec-bench,spec-tiny"  # spec: all three speculative parts
-say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
 bench() {  # bench TAG [hkv-bench flags...]
   local tag=$1; shift

@@ -12,8 +12,6 @@ parts=${1:-tests,bench,served,parity}
 LOG="$OUT/gpu_fp8.log"
 PORT=8100
 SERVER_PID=
-wants() { [[ ,$parts, == *,$1,* ]]; }
-say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
 python3 -c 'import torch, triton; import torch.nn.functional as F; print("torch", torch.__version__, "triton",

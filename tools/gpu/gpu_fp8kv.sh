@@ -15,8 +15,6 @@ parts=${1:-tests,serve,decode}
 LOG="$OUT/gpu_fp8kv.log"
 PORT=8100
 SERVER_PID=
-wants() { [[ ,$parts, == *,$1,* ]]; }
-say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
 if wants tests; then

@@ -12,8 +12,6 @@ MODEL=${LARGE_MODEL:-/tmp/large_model}
 LOG="$OUT/gpu_large.log"
 PORT=8100
 SERVER_PID=
-wants() { [[ ,$parts, == *,$1,* ]]; }
-say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
 if wants decode; then
@@ -38,14 +36,7 @@ if wants served; then
   fi
   say "server: the qwen3.5-27b preset, bf16, 64 running"
   start s_large --max-running-requests 64 --gpu-memory-fraction "${GPU_FRACTION:-0.8}" && {
-    results=()
-    for c in 1 32 64; do
-      n=$((c == 1 ? 4 : 2 * c))
-      timeout 300 python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --no-progress \
-        --json "$OUT/large_c$c.json" --workload random --input-len 512 --range-ratio 1 --output-len 128 \
-        --num-prompts $n --concurrency $c --warmup 2 2>&1 | tail -22 | sed "s/^/[c$c] /" | tee -a "$LOG"
-      results+=("c$c=$OUT/large_c$c.json")
-    done
+    served_sweep large
     stop
     say "served decode against the roofline (every weight, K/V of 576, states read and written)"
     python3 -m tools.bench.moe_roofline --model "$MODEL" --measure --results "${results[@]}" \

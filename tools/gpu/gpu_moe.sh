@@ -13,8 +13,6 @@ MODEL=${MOE_MODEL:-/tmp/moe_model}
 LOG="$OUT/gpu_moe.log"
 PORT=8100
 SERVER_PID=
-wants() { [[ ,$parts, == *,$1,* ]]; }
-say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
@@ -62,15 +60,7 @@ if wants served; then
   fi
   say "server: the MoE benchmark model, bf16, 64 running, 0.8 of the GPU (HF's baseline shares it)"
   start s_moe --max-running-requests 64 --gpu-memory-fraction "${GPU_FRACTION:-0.8}" && {
-    results=()
-    for c in 1 32 64; do
-      n=$((c == 1 ? 4 : 2 * c))
-      extra=(); [[ $c == 32 ]] && extra=(--baseline hf --model-path "$MODEL" --baseline-num-prompts 32)
-      timeout 420 python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --vocab 151936 --no-progress \
-        --json "$OUT/moe_c$c.json" --workload random --input-len 512 --range-ratio 1 --output-len 128 \
-        --num-prompts $n --concurrency $c --warmup 2 "${extra[@]}" 2>&1 | tail -22 | sed "s/^/[c$c] /" | tee -a "$LOG"
-      results+=("c$c=$OUT/moe_c$c.json")
-    done
+    served_sweep moe --baseline hf --model-path "$MODEL" --baseline-num-prompts 32  # HF generate at c = 32
     curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_graph_steps_total|^hkv_engine_steps_total" \
       | tee -a "$LOG"
     kill -TERM "$SERVER_PID"; wait "$SERVER_PID"; SERVER_PID=

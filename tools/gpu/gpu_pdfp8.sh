@@ -11,8 +11,6 @@ set -uo pipefail
 source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH
 parts=${1:-fp8,pd}
 LOG="$OUT/gpu_pdfp8.log"
-wants() { [[ ,$parts, == *,$1,* ]]; }
-say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
 if wants fp8; then

@@ -15,7 +15,6 @@ TOKENIZER=${TOKENIZER:-.bench/tokenizer-151k.json}
 LOG="$OUT/gpu_structured.log"
 PORT=8100
 SERVER_PID=
-say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
 if [[ ! -d $MODEL ]]; then

@@ -9,8 +9,6 @@ set -uo pipefail
 source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH
 parts=${1:-unit,tp,tp1}
 LOG="$OUT/gpu_tp.log"
-wants() { [[ ,$parts, == *,$1,* ]]; }
-say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 
 nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee -a "$LOG"
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count(),
