@@ -90,6 +90,7 @@ class ModelConfig:
     compile_cache_dir: str = ""
     # --kv-cache-dtype resolved: the KV pages' dtype when it is not the model's (float8_e4m3fn); "" = dtype
     kv_dtype: str = ""
+    quantize: str = "none"  # --quantize: none | fp8 (a float checkpoint's projections in block FP8)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -101,7 +102,6 @@ class ModelConfig:
         """What the cache fingerprint names (hkv.cache.keys): the model dtype, plus the KV dtype when it
         differs, so FP8 pages and model-dtype pages never share keys (and auto keeps the older keys)."""
         return self.dtype if self.kv_cache_dtype == self.dtype else f"{self.dtype}/kv:{self.kv_cache_dtype}"
-    quantize: str = "none"  # --quantize: none | fp8 (a float checkpoint's projections in block FP8)
 
     @property
     def max_context(self) -> int:

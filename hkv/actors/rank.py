@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -92,11 +93,12 @@ def _join_tp(cfg: HkvConfig, rank: int, startup: StartupReporter):
 def _load_weights(cfg: HkvConfig, drafting: bool, startup: StartupReporter, tp=None):
     """(the model with its weights on the device, this rank's shard under --tp; the checkpoint's FP8 KV
     scales by model layer), a start-up phase, a part per tensor."""
-    from hkv.models.loader import load_model, weight_tensors
+    from hkv.models.loader import find_weight_shards, load_model
 
-    with startup.phase("loading weights", weight_tensors(cfg.model.path), "tensors") as phase:
+    shards = find_weight_shards(Path(cfg.model.path))  # headers read once: the phase's total and the load
+    with startup.phase("loading weights", sum(len(s.tensor_names) for s in shards), "tensors") as phase:
         loaded = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device, mtp=drafting, progress=phase.advance,
-                            quantize=cfg.model.quantize, tp=tp)
+                            quantize=cfg.model.quantize, tp=tp, shards=shards)
         model = loaded.model
         phase.hold(cfg.server.startup_stall_s)  # fault injection: tests see the instance starting
     sizing.log_weight_bytes(model, cfg.model.dtype)

@@ -244,11 +244,12 @@ def _build_meta(family: type, cfg: object, dtype: torch.dtype, mtp: bool = False
 
 def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
                progress: Callable[[], None] | None = None, quantize: str = "none",
-               tp: TPGroup | None = None) -> LoadedModel:
+               tp: TPGroup | None = None, shards: list[WeightShard] | None = None) -> LoadedModel:
     """Build the checkpoint's model family on `device` in `dtype` and load its weights
     (with mtp=True also its MTP module, `mtp.*`, for speculative decoding).
 
-    progress: called after each tensor is read (of `weight_tensors(path)`; a rank's start-up phase).
+    progress: called after each tensor is read (a rank's start-up phase, whose total the caller takes from
+    `shards`: the folder's find_weight_shards, passed in so their headers are read once).
     quantize: "fp8" quantizes a float checkpoint's projections at load into 128 x 128 block FP8
     (hkv/models/fp8.py); an FP8 checkpoint (quantization_config) loads its FP8 weights as they are.
     tp: this rank's tensor-parallel group (torch.distributed initialized): the model gets the rank's
@@ -266,7 +267,7 @@ def load_model(path: str | Path, dtype: str, device: str, mtp: bool = False,
     hf_config = read_hf_config(folder)
     family = resolve_family(hf_config)
     cfg = family.config_class.from_hf(hf_config)
-    shards = find_weight_shards(folder)
+    shards = find_weight_shards(folder) if shards is None else shards
     model = _build_meta(family, cfg, TORCH_DTYPES[dtype], mtp, tp)
     plan = None if tp is None else ShardPlan(family.shard_rules(cfg), tp.rank, tp.size)
     fp8_checkpoint = checkpoint_fp8(hf_config)
@@ -298,11 +299,6 @@ def check_tp(path: str | Path, tp: int) -> None:
         raise TPConfigError(f"--tp {tp}: an FP8 checkpoint runs on one rank (--tp 1) so far")
     family = resolve_family(hf_config)
     shard_config(family.config_class.from_hf(hf_config), tp)
-
-
-def weight_tensors(path: str | Path) -> int:
-    """Tensors in the folder's safetensors files (their headers), what `load_model` reads."""
-    return sum(len(shard.tensor_names) for shard in find_weight_shards(Path(path)))
 
 
 def describe_model(path: str | Path) -> ModelSpec:
