@@ -78,7 +78,6 @@ def install(workers: int | None = None, device: int | None = None) -> None:
         if "_bench" in _installed:
             return
         original = Autotuner._bench
-        seen: set[tuple[int, tuple]] = set()  # (autotuner, key) whose benchmark was precompiled
 
         def set_device() -> None:
             import torch
@@ -86,9 +85,10 @@ def install(workers: int | None = None, device: int | None = None) -> None:
             torch.cuda.set_device(device)
 
         def _bench(self, *args, config, **meta):
-            token = (id(self), _tuning_key(self, args, meta))
-            if token not in seen:
-                seen.add(token)
+            done_keys = self.__dict__.setdefault("_hkv_precompiled", set())  # keys whose benchmark compiled
+            key = _tuning_key(self, args, meta)
+            if key not in done_keys:
+                done_keys.add(key)
                 configs = self.prune_configs(meta)  # run() set self.nargs: the list its benchmark walks
                 done = precompile(self, configs, args, meta, workers, set_device if device is not None else None)
                 log.debug("%s: %d of %d configs compiled in parallel before its benchmark",
