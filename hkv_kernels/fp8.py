@@ -37,14 +37,20 @@ def fp8_bits(x, scale):
 @triton.jit
 def to_cache(x, scale, CACHE_DTYPE: tl.constexpr, FP8: tl.constexpr):
     """A value as a cache of CACHE_DTYPE stores it: fp8(x / scale) for FP8 pages, else a cast."""
+    # one return: Triton's code generator (not its interpreter) visits a statement after a constexpr branch's
+    # return as well, and two returns of different types do not compile
     if FP8:
-        return fp8_bits(x, scale).to(CACHE_DTYPE, bitcast=True)
-    return x.to(CACHE_DTYPE)
+        y = fp8_bits(x, scale).to(CACHE_DTYPE, bitcast=True)
+    else:
+        y = x.to(CACHE_DTYPE)
+    return y
 
 
 @triton.jit
 def from_cache(x, scale, DTYPE: tl.constexpr, FP8: tl.constexpr):
     """Stored values in DTYPE (the attention's): FP8 times its scale, computed in fp32."""
-    if FP8:
-        return (x.to(tl.float32) * scale).to(DTYPE)
-    return x
+    if FP8:  # one return (see to_cache)
+        y = (x.to(tl.float32) * scale).to(DTYPE)
+    else:
+        y = x
+    return y
