@@ -10,6 +10,12 @@ serving time). xgrammar's masks are faster once compiled (about a third of llgui
 median a token on a 151k vocabulary); hkv builds masks while the step's forward runs, so that
 difference stays off the step's critical path unless masks outlast the forward.
 
+A step's masks are filled row by row on MaskWorkers' threads, not by llguidance's LLExecutor: a row's
+mask releases the GIL, and rows pulled one at a time from a shared queue spread llguidance's costly
+states (1-1.5 ms a mask inside a `maxLength` string on a 151k vocabulary, against 20 us for most) over
+the threads. LLExecutor gained 1.1-1.5x from 2 threads on such rows where the row queue gains 1.7x
+(docs/benchmarks.md, "Structured output: what it costs a served decode step").
+
     grammar_of(constraint) -> str        llguidance's grammar text; GrammarError for a bad spec
     check_constraint(constraint)         the same check, for the api (400 before anything is queued)
     Grammars(tokenizer_json, vocab, eos) the rank's side: matchers, and masks for a batch of them
@@ -27,7 +33,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 from hkv.ipc.messages import CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS, Constraint
@@ -211,7 +219,7 @@ class Grammars:
 
     tokenizer_json: the checkpoint's tokenizer.json; vocab_size: the model's logit rows (ids past the
     tokenizer's are never allowed); eos_ids: the tokens that end a sequence (allowed where the grammar
-    may end, and alone once it has); threads: the mask executor's threads (None: llguidance's default)."""
+    may end, and alone once it has); threads: the mask threads (None: default_mask_threads())."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], threads: int | None = None):
         llg = _llg()
@@ -219,7 +227,7 @@ class Grammars:
         self.eos_ids = sorted(eos_ids)
         self.tokenizer = llg.LLTokenizer(_tokenizer_source(tokenizer_json, vocab_size, self.eos_ids[0]), n_vocab=vocab_size,
                                          eos_token=self.eos_ids)
-        self.executor = llg.LLExecutor(threads)  # None: llguidance's default (80% of the CPUs, at most 32)
+        self.executor = MaskWorkers(threads or default_mask_threads())
         self.words = mask_words(vocab_size)
 
     def matcher(self, constraint: Constraint, consumed: Sequence[int] = ()) -> Matcher:
@@ -239,21 +247,69 @@ class Grammars:
         fill_masks(matchers, masks, self.executor)
 
 
-def fill_masks(matchers: Sequence[Matcher], masks: torch.Tensor, executor=None) -> None:
+def default_mask_threads() -> int:
+    """Mask threads when --grammar-threads is not given: 80% of the CPUs this process may use, 1 to 32."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(32, cpus * 4 // 5))
+
+
+class MaskWorkers:
+    """`threads` threads (the caller's among them) that fill a step's live masks, pulling rows one at a time
+    from a shared queue: a row's llguidance call runs without the GIL, and a costly row holds up only its thread."""
+
+    def __init__(self, threads: int):
+        if threads < 1:
+            raise ValueError(f"mask threads must be >= 1, not {threads}")
+        self.threads = threads
+        # the caller is one of the threads; the pool starts its own on the first fill that hands it rows
+        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="grammar-mask") if threads > 1 else None
+
+    def fill(self, rows: list[tuple[Matcher, int]], masks: torch.Tensor) -> list[tuple[int, str]]:
+        """matcher's next mask into masks[i] for each (matcher, i) of `rows` (live matchers); returns the
+        (i, error) of the rows whose llguidance call failed (their masks are left as they were)."""
+        base, stride = masks.data_ptr(), masks.shape[1] * 4
+        queue = iter(rows)  # next() on a list iterator is atomic under the GIL: each row is taken once
+        failed: list[tuple[int, str]] = []
+
+        def work() -> None:
+            for matcher, i in queue:
+                try:
+                    matcher._inner.unsafe_compute_mask_ptr(base + i * stride, stride)
+                except (KeyboardInterrupt, SystemExit, GeneratorExit):
+                    raise
+                except BaseException as exc:  # pyo3's PanicException derives from BaseException
+                    failed.append((i, f"{type(exc).__name__}: {str(exc)[:300]}"))
+
+        helpers = min(len(rows), self.threads) - 1
+        futures = [self._pool.submit(work) for _ in range(helpers)] if helpers > 0 and self._pool else []
+        try:
+            work()
+        finally:
+            for future in futures:
+                future.result()
+        return failed
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def fill_masks(matchers: Sequence[Matcher], masks: torch.Tensor, executor: MaskWorkers | None = None) -> None:
     """Row i of `masks` = matchers[i]'s next mask: the finished ones (EOS only) here, the live ones on
-    `executor` (an llguidance.LLExecutor; needed when any is live)."""
-    live = [(m._inner, i) for i, m in enumerate(matchers) if not m.done]
+    `executor` (needed when any is live). A live row whose mask fails ends its sequence (EOS only), not the
+    step of every row."""
+    live = [(m, i) for i, m in enumerate(matchers) if not m.done]
     for i, m in enumerate(matchers):
         if m.done:
             m.fill(masks[i])
     if not live:
         return
-    try:
-        _guarded("masks", lambda: executor.unsafe_compute_mask_ptr(live, masks.data_ptr(), masks.shape[1] * 4,
-                                                                   masks.shape[0]))
-    except GrammarError as exc:  # their sequences end rather than the step failing for every row
-        log.error("%d constrained sequences end: %s", len(live), exc)
-        for i, m in enumerate(matchers):
-            if not m.done:
-                m.failed = True
-                m.fill(masks[i])
+    if masks.shape[0] < len(matchers) or not masks.is_contiguous() or masks.dtype.itemsize != 4:
+        raise ValueError(f"masks of shape {tuple(masks.shape)} ({masks.dtype}) for {len(matchers)} matchers")
+    for i, error in executor.fill(live, masks):
+        log.error("a constrained sequence ends: its mask failed in llguidance: %s", error)
+        matchers[i].failed = True
+        matchers[i].fill(masks[i])

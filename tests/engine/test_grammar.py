@@ -173,3 +173,63 @@ def test_added_tokens_that_are_not_special_are_the_text_they_spell(tmp_path):
     grammars.fill([reasoning], masks)
     choices = allowed(masks[0])
     assert close_think in choices and EOS not in choices
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_mask_workers_fill_each_row_as_one_matcher_alone_does(grammars, threads):
+    """Rows taken from a shared queue by several threads (llguidance without the GIL) land in their own rows:
+    40 matchers at different places of SCHEMA, in a buffer with spare rows, equal each matcher's mask alone."""
+    from hkv.engine.grammar import MaskWorkers
+
+    constraint = Constraint("json_schema", json.dumps(SCHEMA))
+    matchers = []
+    for seed in range(40):
+        tokens, _ = walk(grammars, constraint, seed, steps=seed % 13)
+        matchers.append(grammars.matcher(constraint, tokens))
+    matchers[3].failed = True  # a finished row among them: EOS only, filled outside the workers
+    alone = torch.empty(len(matchers), grammars.words, dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        m.fill(alone[i])
+    workers = MaskWorkers(threads)
+    try:
+        masks = torch.full((len(matchers) + 3, grammars.words), -1, dtype=torch.int32)
+        fill_masks(matchers, masks, workers)
+    finally:
+        workers.close()
+    assert torch.equal(masks[: len(matchers)], alone)
+    assert (masks[len(matchers):] == -1).all()  # rows past the matchers' untouched
+    assert allowed(masks[3]) == [EOS]
+
+
+def test_a_row_whose_mask_fails_ends_only_its_sequence(grammars, caplog):
+    from hkv.engine.grammar import MaskWorkers
+
+    class Broken:  # an llguidance matcher whose mask call panics (pyo3 raises a BaseException)
+        def is_stopped(self):
+            return False
+
+        def is_error(self):
+            return False
+
+        def unsafe_compute_mask_ptr(self, ptr, size):
+            raise BaseException("panicked at the lexer")
+
+    constraint = Constraint("regex", "[0-9]{3}")
+    good, bad = grammars.matcher(constraint), Matcher(Broken(), [EOS])
+    masks = torch.empty(2, grammars.words, dtype=torch.int32)
+    workers = MaskWorkers(2)
+    try:
+        fill_masks([bad, good], masks, workers)
+    finally:
+        workers.close()
+    assert bad.failed and allowed(masks[0]) == [EOS]
+    assert not good.failed and set(allowed(masks[1])) and EOS not in allowed(masks[1])
+    assert "panicked at the lexer" in caplog.text
+
+
+def test_mask_workers_refuse_no_threads():
+    from hkv.engine.grammar import MaskWorkers, default_mask_threads
+
+    with pytest.raises(ValueError, match=">= 1"):
+        MaskWorkers(0)
+    assert 1 <= default_mask_threads() <= 32
