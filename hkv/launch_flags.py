@@ -73,7 +73,7 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
                    help="dtype of the KV pages (device pool, CPU and disk tiers, PD transfers): auto = the model "
                         "dtype (--dtype); fp8_e4m3 = float8_e4m3fn with a per-layer scale (the checkpoint's "
                         "k_scale / v_scale, else 1.0), half the bytes of bf16, so about twice the pages in the same "
-                        "memory; --device cpu only so far (default: auto)")
+                        "memory (default: auto)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="turn prefix reuse off: nothing is matched or kept (default: on)")
 

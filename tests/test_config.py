@@ -354,10 +354,9 @@ def test_the_start_up_stall_is_read_from_the_environment(tmp_path, monkeypatch):
     assert cfg.server.startup_stall_s == 2.5
 
 
-def test_fp8_kv_is_refused_on_cuda_until_its_kernels_pass_there():
-    """The paged attention kernels read FP8 pages wrong in their first GPU run: --device cuda refuses the flag."""
+def test_fp8_kv_resolves_on_either_device():
+    """--kv-cache-dtype fp8_e4m3 is float8_e4m3fn pages on CPU and CUDA; auto is the model's dtype ("")."""
     from hkv.config import _resolve_kv_dtype
 
     assert _resolve_kv_dtype("fp8_e4m3", "cpu") == "float8_e4m3fn" and _resolve_kv_dtype("auto", "cuda") == ""
-    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8_e4m3 runs on --device cpu only so far"):
-        _resolve_kv_dtype("fp8_e4m3", "cuda")
+    assert _resolve_kv_dtype("fp8_e4m3", "cuda") == "float8_e4m3fn"

@@ -13,8 +13,11 @@ difference stays off the step's critical path unless masks outlast the forward.
 A step's masks are filled row by row on MaskWorkers' threads, not by llguidance's LLExecutor: a row's
 mask releases the GIL, and rows pulled one at a time from a shared queue spread llguidance's costly
 states (1-1.5 ms a mask inside a `maxLength` string on a 151k vocabulary, against 20 us for most) over
-the threads. LLExecutor gained 1.1-1.5x from 2 threads on such rows where the row queue gains 1.7x
-(docs/benchmarks.md, "Structured output: what it costs a served decode step").
+the threads. LLExecutor gained 1.1-1.5x from 2 threads on such rows where the row queue gains 1.7x. On
+2 cores, 32 rows of tools/bench/bench_structured's schema a step took 2.05 ms one by one, 1.57 ms on a queue
+of 2 threads, 2.11 ms on LLExecutor(2), and 2.35 ms on 2 threads each with its own LLExecutor(1) (its
+rayon hand-off costs 20% even at one thread); more threads than cores made the queue slower (2.3 ms at 12).
+docs/benchmarks.md, "Structured output: what it costs a served decode step", has the served figures.
 
     grammar_of(constraint) -> str        llguidance's grammar text; GrammarError for a bad spec
     check_constraint(constraint)         the same check, for the api (400 before anything is queued)
