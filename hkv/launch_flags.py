@@ -105,8 +105,8 @@ def _scheduling_flags(p: argparse.ArgumentParser) -> None:
                         "prefilling waits for it when that adds at least this many cached tokens, rather than "
                         "compute the prefix again beside it; 0 = never wait (default: 256)")
     g.add_argument("--grammar-threads", type=_grammar_threads, default=None,
-                   help="structured output: threads each rank's llguidance executor fills token masks with, 1..256 "
-                        "(default: llguidance's own, 80%% of the CPUs, at most 32)")
+                   help="structured output: threads each rank fills a step's token masks with (llguidance, a row "
+                        "at a time), 1..256 (default: a quarter of the CPUs, 1 to 8)")
     g.add_argument("--spec-tokens", type=_non_negative_int, default=0,
                    help=f"speculative decoding: tokens the checkpoint's MTP module drafts per step, verified in one "
                         f"target forward; at most {MAX_SPEC_TOKENS}, needs mtp.* weights (default: 0 = off)")
