@@ -182,3 +182,22 @@ def test_dequantize_experts_tiles_gate_and_up_halves_separately():
     assert s13.shape == (2, 2, 2) and torch.equal(d13[:, 70:], dequantize(w13[:, 70:], s13[:, 1:], torch.float32))
     assert torch.equal(d2, dequantize(w2, s2, torch.float32))
 
+
+def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypatch, capsys):
+    """tools/bench/bench_fp8_kernels.py on two small shapes in fp32 on a CPU, timings stubbed: every sweep
+    candidate and the default tiles run and match the reference, and each bucket prints its DECODE_TILES
+    entry (the GPU run must not be the first to execute the section's Python)."""
+    from tools.bench import bench_fp8_kernels as fp8_bench
+    from tools.bench import bench_kernels
+
+    monkeypatch.setattr(bench_kernels, "DECODE_GEMMS", [("even", 256, 256, 2), ("ragged", 200, 384, 1)])
+    monkeypatch.setattr(bench_kernels, "ROWS", [])
+    monkeypatch.setattr(fp8_bench, "ROWS", (1, 5))
+    monkeypatch.setattr(fp8_bench, "SWEEP_ROWS", (1, 16))
+    monkeypatch.setattr(fp8_bench, "quick_bench", lambda fn: (fn(), 1.0)[1])
+    fp8_bench.bench_fp8(bench_kernels.row, lambda fn: (fn(), 1.0)[1], device="cpu", dtype=torch.float32)
+    out = capsys.readouterr().out
+    assert "relative error" not in out and "failed" not in out, out
+    sweep_rows = [r for r in bench_kernels.ROWS if r["kernel"].startswith("fp8_sweep_")]
+    assert len(sweep_rows) == 2 * sum(len(fp8_bench.candidates(rows)) for rows in (1, 16))
+    assert out.count("DECODE_TILES entry for M <= ") == 2
