@@ -10,10 +10,10 @@ differs from its dequantized bf16 twin only by accumulation order (every path ac
 and rounding the reference does not have, for compute that decode does not lack.)
 
 Three kernels, picked per batch size by `fp8_tile` (the `kind` of an Fp8Tile):
-- "gemv" (1..4 rows): no tensor cores. A program streams BLOCK_N weight rows (K contiguous, in chunks
-  of up to 128 bytes a row, Fp8Tile.chunk) and multiplies each dequantized chunk into fp32 accumulators [BLOCK_N, CHUNK] per activation
-  row, reduced over K once at the end: a dot would pad one row to 16 and route every tile through the
-  MMA layout for nothing.
+- "gemv" (1 row by default, up to 4): no tensor cores. A program streams [BLOCK_N, BLOCK_K] weight tiles (K contiguous,
+  several 16-byte rows per thread), loading the next tile while it dequantizes this one, and adds each
+  tile's products with up to 4 activation rows into [BLOCK_N] fp32 sums: a dot would pad one row to 16
+  and route every tile through the MMA layout for nothing.
 - "dot" (decode batches): the weight tile is the MMA's M side, [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M],
   so 64 or 128 weight rows fill it and the few activation rows are the narrow N side.
 - "mm" (prefill): activations on the M side, 64 or 128 rows per tile.
@@ -47,8 +47,19 @@ def _dequant(q, s, dtype: tl.constexpr):
 
 
 @triton.jit
-def _x_chunk(ptrs, row_ok, k_ok, EVEN_K: tl.constexpr):
-    """One activation row's CHUNK columns as fp32 (zeros past M, and past K unless EVEN_K)."""
+def _w_tile(ptrs, col_ok, ks, k_left, EVEN_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] fp8 weight tile, zeros past N and past the split's end (k_left columns remain
+    from ptrs; a tile at or past the end issues no memory traffic)."""
+    if EVEN_K:
+        q = tl.load(ptrs, mask=col_ok[:, None] & (k_left > 0), other=0.0)
+    else:
+        q = tl.load(ptrs, mask=col_ok[:, None] & (ks < k_left)[None, :], other=0.0)
+    return q
+
+
+@triton.jit
+def _x_row(ptrs, row_ok, k_ok, EVEN_K: tl.constexpr):
+    """One activation row's BLOCK_K columns as fp32 (zeros past M, and past K unless EVEN_K)."""
     if EVEN_K:
         x = tl.load(ptrs, mask=row_ok, other=0.0)
     else:
@@ -58,54 +69,52 @@ def _x_chunk(ptrs, row_ok, k_ok, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _store_row(ptrs, acc, bias_ptr, cols, ok, HAS_BIAS: tl.constexpr):
-    """Reduce a [BLOCK_N, CHUNK] accumulator over K, add the bias, store one output row."""
-    total = tl.sum(acc, axis=1)
+    """Add the bias to one output row's [BLOCK_N] fp32 sums and store them."""
     if HAS_BIAS:
-        total += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(ptrs, total.to(ptrs.dtype.element_ty), mask=ok)
+        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ptrs, acc.to(ptrs.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_sn, stride_om, stride_os,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     row0 = tl.program_id(1) * ROWS
     split = tl.program_id(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    ks = tl.arange(0, CHUNK)
+    ks = tl.arange(0, BLOCK_K)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BN, CHUNK] at k = 0
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]  # [BN, BK]
+    x_ptrs = x_ptr + row0.to(tl.int64) * stride_xm + k_start + ks  # [BK] of row row0
     s_row = s_ptr + ((pid_n * BLOCK_N) // SCALE_BLOCK).to(tl.int64) * stride_sn  # BLOCK_N divides 128
-    x_row = x_ptr + row0.to(tl.int64) * stride_xm + ks  # [CHUNK] of row row0 at k = 0
     dtype = x_ptr.dtype.element_ty
-    acc0 = tl.zeros((BLOCK_N, CHUNK), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, CHUNK), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, CHUNK), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, CHUNK), dtype=tl.float32)
-    for k0 in range(k_start, k_end, CHUNK * UNROLL):
-        # UNROLL chunks per step: their loads are independent, so more weight bytes are in flight
-        for j in tl.static_range(UNROLL):
-            kc = tl.multiple_of(k0 + j * CHUNK, CHUNK)  # k_start is a multiple of 128 and of CHUNK * UNROLL
-            k_ok = ks < k_end - kc
-            if EVEN_K:
-                q = tl.load(w_ptrs + kc, mask=col_ok[:, None], other=0.0)
-                s = tl.load(s_row + kc // SCALE_BLOCK)
-            else:
-                q = tl.load(w_ptrs + kc, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                s = tl.load(s_row + kc // SCALE_BLOCK, mask=kc < k_end, other=0.0)
-            w = _dequant(q, s, dtype).to(tl.float32)  # [BN, CHUNK]
-            acc0 += w * _x_chunk(x_row + kc, row0 < M, k_ok, EVEN_K)[None, :]
-            if ROWS > 1:
-                acc1 += w * _x_chunk(x_row + stride_xm + kc, row0 + 1 < M, k_ok, EVEN_K)[None, :]
-            if ROWS > 2:
-                acc2 += w * _x_chunk(x_row + 2 * stride_xm + kc, row0 + 2 < M, k_ok, EVEN_K)[None, :]
-                acc3 += w * _x_chunk(x_row + 3 * stride_xm + kc, row0 + 3 < M, k_ok, EVEN_K)[None, :]
+    acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # the next step's weights load while this step's are used: ptxas sinks a load to just before its
+    # first use, so without this each step would wait out a full memory latency
+    q = _w_tile(w_ptrs, col_ok, ks, k_end - k_start, EVEN_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        q_next = _w_tile(w_ptrs + BLOCK_K, col_ok, ks, k_end - k0 - BLOCK_K, EVEN_K)
+        s = tl.load(s_row + k0 // SCALE_BLOCK)  # BLOCK_K divides 128: one scale per step
+        w = _dequant(q, s, dtype).to(tl.float32)  # [BN, BK], the reference's weights
+        k_ok = ks < k_end - k0
+        acc0 += tl.sum(w * _x_row(x_ptrs, row0 < M, k_ok, EVEN_K)[None, :], axis=1)
+        if ROWS > 1:
+            acc1 += tl.sum(w * _x_row(x_ptrs + stride_xm, row0 + 1 < M, k_ok, EVEN_K)[None, :], axis=1)
+        if ROWS > 2:
+            acc2 += tl.sum(w * _x_row(x_ptrs + 2 * stride_xm, row0 + 2 < M, k_ok, EVEN_K)[None, :], axis=1)
+            acc3 += tl.sum(w * _x_row(x_ptrs + 3 * stride_xm, row0 + 3 < M, k_ok, EVEN_K)[None, :], axis=1)
+        q = q_next
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     out_row = out_ptr + split.to(tl.int64) * stride_os + row0.to(tl.int64) * stride_om + cols
     _store_row(out_row, acc0, bias_ptr, cols, col_ok & (row0 < M), HAS_BIAS)
     if ROWS > 1:
@@ -218,9 +227,11 @@ class Fp8Tile:
     kind: "gemv" | "dot" | "mm" (module docstring). block_m: activation rows per program (gemv: 1, 2 or 4;
     dot and mm: >= 16, tl.dot's minimum). block_n: weight rows per program (gemv and dot: a divisor of 128;
     block_m, block_n and num_warps are powers of two).
-    block_k: K columns per loop step (dot and mm: a divisor of 128; gemv: a divisor or a multiple of 128,
-    loaded `chunk` columns at a time). split_k: programs over K, or None to split until the grid has about
-    per_sm programs per SM.
+    block_k: K columns per loop step, a divisor of 128 (gemv: also at most 16 * num_warps, so that the
+    activation row's [BLOCK_K] load has fewer elements than the program has threads: Triton then loads it
+    straight into the weight tile's layout, where a larger one keeps its own coalesced layout and goes
+    through shared memory every step, see isExpensiveLoadOrStore). split_k: programs over K, or None to
+    split until the grid has about per_sm programs per SM.
     """
 
     kind: str
@@ -235,31 +246,22 @@ class Fp8Tile:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Fp8Tile kind {self.kind!r} is not one of {KINDS}")
-        steps_ok = BLOCK % self.block_k == 0 or (self.kind == "gemv" and self.block_k % BLOCK == 0)
+        steps_ok = BLOCK % self.block_k == 0 and (self.kind != "gemv" or self.block_k <= 16 * self.num_warps)
         rows_ok = self.block_m in (1, 2, 4) if self.kind == "gemv" else self.block_m >= 16
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.num_warps))
         if not (pow2 and steps_ok and rows_ok and (self.kind == "mm" or BLOCK % self.block_n == 0)):
             raise ValueError(f"{self} does not fit its kind's constraints (Fp8Tile's docstring)")
 
-    @property
-    def chunk(self) -> int:
-        """gemv: K columns per load, fewer than the program's threads. A smaller activation load is
-        rematerialized in the weight tile's layout; one as large as the thread count keeps its own
-        coalesced layout and goes through shared memory every chunk (Triton's isExpensiveLoadOrStore)."""
-        return min(self.block_k, BLOCK, 16 * self.num_warps)
-
-    @property
-    def step_k(self) -> int:
-        """K columns a split must hold a whole number of: whole scale blocks and whole loop steps."""
-        return max(BLOCK, self.block_k)
-
 
 # Decode tiles by batch size: (largest M, tile); M above the last entry is prefill. NOT TUNED on a GPU yet:
 # `python3 -m tools.bench.bench_kernels --only fp8` times candidates per M on the benchmark model's
-# projections and prints the entry to put here. gemv's block_m and dot's block_m shrink to the batch.
+# projections and prints the entry to put here; gemv's and dot's block_m shrink to the batch. Chosen so
+# far from sm_90 compiles only (tools/bench/fp8_compile_check.py): the M = 1 gemv holds 4 weight rows of
+# 16 bytes a thread and prefetches the next step in 96 registers; the 4-row gemv needs 168 registers
+# (about 3 programs an SM), while the dot's cp.async pipeline keeps 3 steps of 8 KB in flight.
 DECODE_TILES: tuple[tuple[int, Fp8Tile], ...] = (
-    (1, Fp8Tile("gemv", 1, 32, 256, 4, 1, per_sm=4)),
-    (4, Fp8Tile("gemv", 4, 32, 128, 4, 1, per_sm=4)),
+    (1, Fp8Tile("gemv", 1, 128, 64, 4, 1)),
+    (4, Fp8Tile("dot", 16, 64, 128, 4, 4)),
     (16, Fp8Tile("dot", 16, 64, 128, 4, 4)),
     (32, Fp8Tile("dot", 32, 64, 128, 4, 4)),
     (64, Fp8Tile("dot", 64, 64, 128, 4, 4)),
@@ -282,7 +284,7 @@ def fp8_tile(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -
     """The tile for an [m, k] x [k, n] product: DECODE_TILES up to 64 rows, 64/128-row mm tiles above.
     fp32 (exact ieee dots, the parity mode and the interpreter) gets small tiles."""
     if dtype == torch.float32:
-        return fit_rows(Fp8Tile("gemv", 4, 16, 128, 4, 1), m) if m <= 4 else Fp8Tile("mm", 16, 32, 32, 4, 2, 1)
+        return fit_rows(Fp8Tile("gemv", 4, 32, 64, 4, 1), m) if m <= 4 else Fp8Tile("mm", 16, 32, 32, 4, 2, 1)
     for rows, tile in DECODE_TILES:
         if m <= rows:
             return fit_rows(tile, m)
@@ -290,9 +292,9 @@ def fp8_tile(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -
 
 
 def k_split(tile: Fp8Tile, m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
-    """(K columns per split, number of splits) for tile on this device. Each split holds whole step_k
-    groups; without tile.split_k, the split doubles while the grid has fewer than per_sm programs per SM."""
-    groups = -(-k // tile.step_k)
+    """(K columns per split, number of splits) for tile on this device. Each split holds whole 128-column
+    scale blocks; without tile.split_k, the split doubles while the grid has fewer than per_sm programs per SM."""
+    groups = -(-k // BLOCK)
     split = tile.split_k
     if split is None:
         programs = -(-n // tile.block_n) * -(-m // tile.block_m)
@@ -300,7 +302,7 @@ def k_split(tile: Fp8Tile, m: int, n: int, k: int, device: torch.device) -> tupl
         split = 1
         while split * 2 <= groups and programs * split < target:
             split *= 2
-    k_per_split = -(-groups // max(1, min(split, groups))) * tile.step_k
+    k_per_split = -(-groups // max(1, min(split, groups))) * BLOCK
     return k_per_split, -(-k // k_per_split)
 
 
@@ -313,8 +315,7 @@ def _launch(tile: Fp8Tile, x2, weight, scale, bias, target, m: int, n: int, k: i
     common = dict(SCALE_BLOCK=BLOCK, EVEN_K=k % tile.block_k == 0, HAS_BIAS=bias is not None,
                   num_warps=tile.num_warps, num_stages=tile.num_stages)
     if tile.kind == "gemv":
-        _fp8_gemv_kernel[grid](*args, ROWS=tile.block_m, BLOCK_N=tile.block_n, CHUNK=tile.chunk,
-                               UNROLL=tile.block_k // tile.chunk, **common)
+        _fp8_gemv_kernel[grid](*args, ROWS=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **common)
         return
     kernel = _fp8_dot_kernel if tile.kind == "dot" else _fp8_mm_kernel
     kernel[grid](*args, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,

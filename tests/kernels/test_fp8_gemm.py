@@ -71,13 +71,13 @@ def test_fp8_linear_matches_the_dequantized_reference(device, dtype, m, n, k, bi
 
 @pytest.mark.parametrize("device,dtype", _cases_with_fp16())
 @pytest.mark.parametrize("m,n,k,bias,tile", [
-    (1, 256, 512, False, Fp8Tile("gemv", 1, 16, 128, 4, 1, 1)),  # one row, every shape even
-    (1, 200, 300, True, Fp8Tile("gemv", 1, 16, 256, 4, 1, 1)),  # N and K ragged, two chunks a step
-    (3, 72, 640, False, Fp8Tile("gemv", 4, 8, 128, 2, 1, 2)),  # an odd batch in one 4-row group, split K
+    (1, 256, 512, False, Fp8Tile("gemv", 1, 16, 64, 4, 1, 1)),  # one row, every shape even
+    (1, 200, 300, True, Fp8Tile("gemv", 1, 32, 64, 4, 1, 1)),  # N and K ragged
+    (3, 72, 640, False, Fp8Tile("gemv", 4, 8, 32, 2, 1, 2)),  # an odd batch in one 4-row group, split K
     (5, 130, 384, True, Fp8Tile("gemv", 4, 32, 64, 4, 1, 3)),  # two row groups (one of a single row), 3 splits
-    (2, 64, 1000, True, Fp8Tile("gemv", 2, 16, 512, 4, 1, 2)),  # four chunks a step, K ends mid-step
-    (6, 96, 256, False, Fp8Tile("gemv", 2, 32, 128, 4, 1, 8)),  # more splits asked than K has blocks
-], ids=["m1", "m1-ragged-bias", "m3-split", "m5-two-groups-bias", "m2-unroll4-bias", "split-capped"])
+    (2, 64, 1000, True, Fp8Tile("gemv", 2, 128, 128, 8, 1, 2)),  # a tile taller than N, K ends mid-step
+    (6, 96, 256, False, Fp8Tile("gemv", 2, 32, 64, 4, 1, 8)),  # more splits asked than K has blocks
+], ids=["m1", "m1-ragged-bias", "m3-split", "m5-two-groups-bias", "m2-tall-bias", "split-capped"])
 def test_fp8_gemv_matches_the_dequantized_reference(device, dtype, m, n, k, bias, tile):
     _check_fp8_linear(device, dtype, m, n, k, bias, tile)
 
@@ -98,7 +98,7 @@ def test_fp8_linear_default_tiles_run_every_decode_bucket(m):
     """fp8_tile's own pick for bf16 (DECODE_TILES), run in fp32 in the interpreter on a CPU (the tile's
     shape is what is under test; a split needs an SM count, so the CPU gets none)."""
     tile = fp8_tile(m, 200, 384, torch.bfloat16, torch.device("cpu"))
-    assert tile.kind == ("gemv" if m <= 4 else "dot")
+    assert tile.kind == ("gemv" if m == 1 else "dot")
     _check_fp8_linear("cpu", torch.float32, m, 200, 384, True, tile)
 
 
@@ -124,8 +124,9 @@ def test_fp8_linear_default_tiles_on_cuda_are_close_and_deterministic(dtype, m, 
 def test_fp8_tile_picks_the_kind_by_batch_and_shrinks_rows_to_it():
     cpu = torch.device("cpu")
     assert fp8_tile(1, 4096, 2048, torch.bfloat16, cpu).block_m == 1
-    assert fp8_tile(3, 4096, 2048, torch.bfloat16, cpu).block_m == 4
-    assert fp8_tile(2, 4096, 2048, torch.float16, cpu).block_m == 2
+    assert fp8_tile(3, 4096, 2048, torch.bfloat16, cpu).block_m == 16
+    assert fp8_tile(3, 4096, 2048, torch.float32, cpu).block_m == 4
+    assert fp8_tile(2, 4096, 2048, torch.float32, cpu).block_m == 2
     assert fp8_tile(9, 4096, 2048, torch.bfloat16, cpu) == replace(DECODE_TILES[2][1], block_m=16)
     assert fp8_tile(33, 4096, 2048, torch.bfloat16, cpu).block_m == 64
     assert fp8_tile(65, 4096, 2048, torch.bfloat16, cpu).kind == "mm"
@@ -136,16 +137,17 @@ def test_fp8_tile_picks_the_kind_by_batch_and_shrinks_rows_to_it():
 def test_k_split_keeps_whole_scale_blocks_and_steps():
     cpu = torch.device("cpu")
     assert k_split(Fp8Tile("dot", 16, 64, 64, 4, 2, 3), 1, 64, 1000, cpu) == (384, 3)  # 8 blocks: 3 + 3 + 2
-    assert k_split(Fp8Tile("gemv", 1, 16, 512, 4, 1, 2), 1, 64, 1000, cpu) == (512, 2)  # whole 512-column steps
-    assert k_split(Fp8Tile("gemv", 1, 16, 128, 4, 1, 64), 1, 64, 300, cpu) == (128, 3)  # capped at the blocks
+    assert k_split(Fp8Tile("gemv", 1, 16, 64, 4, 1, 2), 1, 64, 1000, cpu) == (512, 2)
+    assert k_split(Fp8Tile("gemv", 1, 16, 64, 4, 1, 64), 1, 64, 300, cpu) == (128, 3)  # capped at the blocks
     # no split_k: doubles while programs * split < per_sm * SMs (1 SM on a CPU)
-    assert k_split(Fp8Tile("gemv", 1, 16, 128, 4, 1, None, per_sm=8), 1, 32, 2048, cpu) == (512, 4)
+    assert k_split(Fp8Tile("gemv", 1, 16, 64, 4, 1, None, per_sm=8), 1, 32, 2048, cpu) == (512, 4)
     assert k_split(Fp8Tile("dot", 16, 64, 128, 4, 4), 1, 4096, 2048, cpu) == (2048, 1)
 
 
 @pytest.mark.parametrize("args", [("wide", 16, 64, 128, 4, 4), ("gemv", 8, 16, 128, 4, 1),
                                   ("gemv", 1, 48, 128, 4, 1), ("dot", 8, 64, 128, 4, 4), ("dot", 16, 64, 256, 4, 4),
-                                  ("gemv", 1, 16, 96, 4, 1), ("mm", 16, 48, 64, 4, 2), ("gemv", 1, 16, 128, 3, 1)])
+                                  ("gemv", 1, 16, 96, 4, 1), ("mm", 16, 48, 64, 4, 2), ("gemv", 1, 16, 128, 3, 1),
+                                  ("gemv", 1, 16, 128, 4, 1)])
 def test_fp8_tile_refuses_shapes_its_kernel_cannot_run(args):
     with pytest.raises(ValueError):
         Fp8Tile(*args)

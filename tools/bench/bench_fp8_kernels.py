@@ -77,23 +77,23 @@ def tile_label(tile: Fp8Tile, split: int | None = None) -> str:
 def candidates(rows: int) -> list[Fp8Tile]:
     """Tiles to sweep for the DECODE_TILES bucket `rows` (each fitted to it), the current entry first, then
     other shapes of its kind, the neighbouring kind, and the current tile with other K-split targets.
-    About 7 a bucket keep the section near three minutes. Fp8Tile's docstring has the constraints."""
+    About 8 a bucket keep the section near three minutes. Fp8Tile's docstring has the constraints."""
     current = dict(DECODE_TILES)[rows]
 
     def gemv(n, bk, warps):
-        return Fp8Tile("gemv", 4, n, bk, warps, 1, per_sm=4)
+        return Fp8Tile("gemv", 4, n, bk, warps, 1)
 
     def dot(n, bk, warps, stages):
         return Fp8Tile("dot", 64, n, bk, warps, stages)
 
-    wide_dots = [dot(128, 128, 4, 3), dot(64, 64, 4, 5), dot(128, 128, 8, 3)]
+    gemvs = [gemv(128, 64, 4), gemv(64, 64, 4), gemv(128, 32, 2), gemv(128, 128, 8), gemv(64, 32, 2)]
+    dots = [dot(64, 128, 4, 4), dot(128, 128, 4, 3), dot(64, 64, 4, 5), dot(128, 128, 8, 3)]
     pool = {
-        1: [gemv(16, 256, 4), gemv(64, 128, 4), gemv(32, 512, 4), gemv(32, 256, 8), dot(64, 128, 4, 4)],
-        4: [gemv(16, 256, 4), gemv(64, 128, 4), gemv(32, 256, 4), dot(64, 128, 4, 4)],
-        16: [*wide_dots, Fp8Tile("mm", 64, 64, 128, 4, 4), gemv(32, 256, 4)],
-    }.get(rows, [*wide_dots, Fp8Tile("mm", 64, 64, 128, 4, 4)])
-    splits = (2, 8) if current.per_sm == 4 else (1, 4)
-    pool += [replace(current, per_sm=ps) for ps in splits]
+        1: [*gemvs, dots[0]],
+        4: [*gemvs[:4], *dots[:3]],
+        16: [*dots, Fp8Tile("mm", 64, 64, 128, 4, 4), gemvs[0]],
+    }.get(rows, [*dots, Fp8Tile("mm", 64, 64, 128, 4, 4)])
+    pool += [replace(current, per_sm=ps) for ps in (1, 4, 8) if ps != current.per_sm]
     fitted = [fit_rows(t, rows) for t in [current, *pool]]
     return list(dict.fromkeys(fitted))  # drop duplicates, keep the order
 
