@@ -293,7 +293,8 @@ def fp8_tile(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -
 
 def k_split(tile: Fp8Tile, m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
     """(K columns per split, number of splits) for tile on this device. Each split holds whole 128-column
-    scale blocks; without tile.split_k, the split doubles while the grid has fewer than per_sm programs per SM."""
+    scale blocks; without tile.split_k, the split doubles while the grid has fewer than per_sm programs
+    per SM."""
     groups = -(-k // BLOCK)
     split = tile.split_k
     if split is None:

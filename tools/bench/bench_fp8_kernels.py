@@ -194,6 +194,7 @@ def _bench_sweep(row: Callable, projections: list[Projection], gen: torch.Genera
                  bf16_ms: dict[tuple[int, str], float], failed: dict) -> None:
     """Every candidate of every bucket on every projection; per bucket, the tile with the lowest step total."""
     for rows in SWEEP_ROWS:
+        current = candidates(rows)[0]
         tiles = [t for t in candidates(rows) if (rows, t) not in failed]
         if not tiles:
             print(f"sweep M{rows}: every candidate failed", flush=True)
@@ -208,7 +209,7 @@ def _bench_sweep(row: Callable, projections: list[Projection], gen: torch.Genera
             times = {}
             for tile in tiles:
                 split = k_split(tile, rows, p.n, p.k, x.device)[1]
-                label = ("*" if tile == tiles[0] else " ") + tile_label(tile, split)
+                label = ("*" if tile == current else " ") + tile_label(tile, split)
                 ms = _time_checked(quick_bench, lambda: fp8_linear(x, p.q, p.scale, tile=tile), ref, 2e-2,
                                    f"fp8 sweep {_shape(p, rows)} {label}")
                 times[tile] = ms if ms is not None else float("inf")
@@ -218,17 +219,19 @@ def _bench_sweep(row: Callable, projections: list[Projection], gen: torch.Genera
                         base_name="bf16 F.linear", base_ms=base)
             best = min(times, key=times.get)
             print(f"  pick M{rows} {p.name}: {tile_label(best, k_split(best, rows, p.n, p.k, x.device)[1])} "
-                  f"{times[best]:.4f} ms (current / best: x{times[tiles[0]] / times[best]:.2f})", flush=True)
-        _print_recommendation(rows, tiles, step, bf16_step)
+                  f"{times[best]:.4f} ms (current / best: x{times.get(current, float('nan')) / times[best]:.2f})",
+                  flush=True)
+        _print_recommendation(rows, current, step, bf16_step)
 
 
-def _print_recommendation(rows: int, tiles: list[Fp8Tile], step: dict[Fp8Tile, float], bf16_step: float) -> None:
+def _print_recommendation(rows: int, current: Fp8Tile, step: dict[Fp8Tile, float], bf16_step: float) -> None:
     best = min(step, key=step.get)
-    print(f"sweep M{rows}: step GEMMs bf16 {bf16_step:.4f} ms, current tile {step[tiles[0]]:.4f} ms "
-          f"(x{bf16_step / step[tiles[0]]:.2f}), best {step[best]:.4f} ms (x{bf16_step / step[best]:.2f})", flush=True)
+    now = step.get(current, float("nan"))  # nan: the current tile failed to run
+    print(f"sweep M{rows}: step GEMMs bf16 {bf16_step:.4f} ms, current tile {now:.4f} ms "
+          f"(x{bf16_step / now:.2f}), best {step[best]:.4f} ms (x{bf16_step / step[best]:.2f})", flush=True)
     entry = (f'({rows}, Fp8Tile("{best.kind}", {best.block_m}, {best.block_n}, {best.block_k}, {best.num_warps}, '
              f"{best.num_stages}, per_sm={best.per_sm})),")
-    print(f"  DECODE_TILES entry for M <= {rows}{' (unchanged)' if best == tiles[0] else ''}: {entry}", flush=True)
+    print(f"  DECODE_TILES entry for M <= {rows}{' (unchanged)' if best == current else ''}: {entry}", flush=True)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
