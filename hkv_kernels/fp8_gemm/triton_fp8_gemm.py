@@ -2,21 +2,33 @@
 128 x 128 block (reference.dequantize).
 
 Weight-only: the activations stay in the model dtype and each weight tile is dequantized in
-registers, (fp32(q) * scale) rounded to the activation dtype, before a tensor-core dot in that dtype.
-At decode (1 to 64 rows) the GEMM is bound by reading the weights, so one byte a weight instead of two
-is the whole gain, and the dequantized tile equals the reference's weight element for element: an
-FP8 model differs from its dequantized bf16 twin only by accumulation order. (Quantizing the
-activations per token group, as DeepSeek's block FP8 does, would add a pass over x and rounding the
-reference does not have, for compute that decode does not lack.)
+registers, (fp32(q) * scale) rounded to the activation dtype, before it meets x. At decode (1 to 64
+rows) the GEMM is bound by reading the weights, so one byte a weight instead of two is the whole
+gain, and the dequantized tile equals the reference's weight element for element: an FP8 model
+differs from its dequantized bf16 twin only by accumulation order (every path accumulates in fp32).
+(Quantizing the activations per token group, as DeepSeek's block FP8 does, would add a pass over x
+and rounding the reference does not have, for compute that decode does not lack.)
 
-Few rows leave few output tiles, too few to keep every SM reading: the K loop is then split over
-SPLIT_K programs that write fp32 partial sums, added in a fixed order afterwards (no atomics, so the
-result does not depend on scheduling). Nothing reads the host: the launch is graph-safe.
+Three kernels, picked per batch size by `fp8_tile` (the `kind` of an Fp8Tile):
+- "gemv" (1 row by default, up to 4): no tensor cores. A program streams [BLOCK_N, BLOCK_K] weight tiles (K contiguous,
+  several 16-byte rows per thread), loading the next tile while it dequantizes this one, and adds each
+  tile's products with up to 4 activation rows into [BLOCK_N] fp32 sums: a dot would pad one row to 16
+  and route every tile through the MMA layout for nothing.
+- "dot" (decode batches): the weight tile is the MMA's M side, [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M],
+  so 64 or 128 weight rows fill it and the few activation rows are the narrow N side.
+- "mm" (prefill): activations on the M side, 64 or 128 rows per tile.
+"gemv" and "dot" tiles have BLOCK_N dividing 128, so one program's rows share a scale row and each
+128-column step needs one scalar scale.
+
+Few output tiles leave SMs idle: the K loop is then split over SPLIT programs that write fp32 partial
+sums, added afterwards by one small kernel in split order (no atomics, so the result does not depend
+on scheduling; the bias is added after the sum, as without a split). Nothing reads the host: the
+launch is graph-safe.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -29,11 +41,134 @@ from hkv_kernels.meta import next_pow2
 
 
 @triton.jit
-def _fp8_gemm_kernel(
+def _dequant(q, s, dtype: tl.constexpr):
+    """fp8 tile times its block's scale, in fp32, rounded to the activation dtype (the reference's weight)."""
+    return (q.to(tl.float32) * s).to(dtype)
+
+
+@triton.jit
+def _w_tile(ptrs, col_ok, ks, k_left, EVEN_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] fp8 weight tile, zeros past N and past the split's end (k_left columns remain
+    from ptrs; a tile at or past the end issues no memory traffic)."""
+    if EVEN_K:
+        q = tl.load(ptrs, mask=col_ok[:, None] & (k_left > 0), other=0.0)
+    else:
+        q = tl.load(ptrs, mask=col_ok[:, None] & (ks < k_left)[None, :], other=0.0)
+    return q
+
+
+@triton.jit
+def _x_row(ptrs, row_ok, k_ok, EVEN_K: tl.constexpr):
+    """One activation row's BLOCK_K columns as fp32 (zeros past M, and past K unless EVEN_K)."""
+    if EVEN_K:
+        x = tl.load(ptrs, mask=row_ok, other=0.0)
+    else:
+        x = tl.load(ptrs, mask=row_ok & k_ok, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store_row(ptrs, acc, bias_ptr, cols, ok, HAS_BIAS: tl.constexpr):
+    """Add the bias to one output row's [BLOCK_N] fp32 sums and store them."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ptrs, acc.to(ptrs.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_sn, stride_om, stride_os,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    row0 = tl.program_id(1) * ROWS
+    split = tl.program_id(2)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]  # [BN, BK]
+    x_ptrs = x_ptr + row0.to(tl.int64) * stride_xm + k_start + ks  # [BK] of row row0
+    s_row = s_ptr + ((pid_n * BLOCK_N) // SCALE_BLOCK).to(tl.int64) * stride_sn  # BLOCK_N divides 128
+    dtype = x_ptr.dtype.element_ty
+    acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # the next step's weights load while this step's are used: ptxas sinks a load to just before its
+    # first use, so without this each step would wait out a full memory latency
+    q = _w_tile(w_ptrs, col_ok, ks, k_end - k_start, EVEN_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        q_next = _w_tile(w_ptrs + BLOCK_K, col_ok, ks, k_end - k0 - BLOCK_K, EVEN_K)
+        s = tl.load(s_row + k0 // SCALE_BLOCK)  # BLOCK_K divides 128: one scale per step
+        w = _dequant(q, s, dtype).to(tl.float32)  # [BN, BK], the reference's weights
+        k_ok = ks < k_end - k0
+        acc0 += tl.sum(w * _x_row(x_ptrs, row0 < M, k_ok, EVEN_K)[None, :], axis=1)
+        if ROWS > 1:
+            acc1 += tl.sum(w * _x_row(x_ptrs + stride_xm, row0 + 1 < M, k_ok, EVEN_K)[None, :], axis=1)
+        if ROWS > 2:
+            acc2 += tl.sum(w * _x_row(x_ptrs + 2 * stride_xm, row0 + 2 < M, k_ok, EVEN_K)[None, :], axis=1)
+            acc3 += tl.sum(w * _x_row(x_ptrs + 3 * stride_xm, row0 + 3 < M, k_ok, EVEN_K)[None, :], axis=1)
+        q = q_next
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out_row = out_ptr + split.to(tl.int64) * stride_os + row0.to(tl.int64) * stride_om + cols
+    _store_row(out_row, acc0, bias_ptr, cols, col_ok & (row0 < M), HAS_BIAS)
+    if ROWS > 1:
+        _store_row(out_row + stride_om, acc1, bias_ptr, cols, col_ok & (row0 + 1 < M), HAS_BIAS)
+    if ROWS > 2:
+        _store_row(out_row + 2 * stride_om, acc2, bias_ptr, cols, col_ok & (row0 + 2 < M), HAS_BIAS)
+        _store_row(out_row + 3 * stride_om, acc3, bias_ptr, cols, col_ok & (row0 + 3 < M), HAS_BIAS)
+
+
+@triton.jit
+def _fp8_dot_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_sn, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2)
+    col_ok = cols < N
+    row_ok = rows < M
+    ks = tl.arange(0, BLOCK_K)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]  # [BN, BK]
+    x_ptrs = x_ptr + rows[None, :].to(tl.int64) * stride_xm + (k_start + ks)[:, None]  # [BK, BM]: x^T
+    s_row = s_ptr + ((pid_n * BLOCK_N) // SCALE_BLOCK).to(tl.int64) * stride_sn  # BLOCK_N divides 128
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            q = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+            a = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < k_end - k0
+            q = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        s = tl.load(s_row + k0 // SCALE_BLOCK)  # BLOCK_K divides 128: one scale per step
+        acc = tl.dot(_dequant(q, s, dtype), a, acc, input_precision=PRECISION)  # [BN, BM]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + split.to(tl.int64) * stride_os + rows[None, :].to(tl.int64) * stride_om + cols[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _fp8_mm_kernel(
+    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_sn, stride_om, stride_os,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,12 +184,15 @@ def _fp8_gemm_kernel(
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        k_ok = ks < k_end - k0
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        q = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            q = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < k_end - k0
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            q = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         s = tl.load(s_ptrs + k0 // SCALE_BLOCK, mask=col_ok, other=0.0)  # BLOCK_K divides SCALE_BLOCK
-        w = (q.to(tl.float32) * s[None, :]).to(dtype)  # the reference's dequantized weight
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = tl.dot(a, _dequant(q, s[None, :], dtype), acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -63,16 +201,71 @@ def _fp8_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, numel, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out = sum of SPLIT fp32 partials [SPLIT, M, N] in split order (+ bias), in out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    part = part_ptr + offs
+    acc = tl.load(part, mask=ok, other=0.0)
+    for _ in tl.static_range(1, SPLIT):
+        part += numel  # pointer steps: SPLIT * numel may pass 2^31
+        acc += tl.load(part, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+KINDS = ("gemv", "dot", "mm")
+
+
 @dataclass(frozen=True)
 class Fp8Tile:
-    """BLOCK_M x BLOCK_N output tiles, BLOCK_K (a divisor of 128) per step, SPLIT_K programs over K."""
+    """One launch's tiling.
 
+    kind: "gemv" | "dot" | "mm" (module docstring). block_m: activation rows per program (gemv: 1, 2 or 4;
+    dot and mm: >= 16, tl.dot's minimum). block_n: weight rows per program (gemv and dot: a divisor of 128;
+    block_m, block_n and num_warps are powers of two).
+    block_k: K columns per loop step, a divisor of 128 (gemv: also at most 16 * num_warps, so that the
+    activation row's [BLOCK_K] load has fewer elements than the program has threads: Triton then loads it
+    straight into the weight tile's layout, where a larger one keeps its own coalesced layout and goes
+    through shared memory every step, see isExpensiveLoadOrStore). split_k: programs over K, or None to
+    split until the grid has about per_sm programs per SM.
+    """
+
+    kind: str
     block_m: int
     block_n: int
     block_k: int
-    split_k: int
     num_warps: int
     num_stages: int
+    split_k: int | None = None
+    per_sm: int = 2
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Fp8Tile kind {self.kind!r} is not one of {KINDS}")
+        steps_ok = BLOCK % self.block_k == 0 and (self.kind != "gemv" or self.block_k <= 16 * self.num_warps)
+        rows_ok = self.block_m in (1, 2, 4) if self.kind == "gemv" else self.block_m >= 16
+        pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.num_warps))
+        if not (pow2 and steps_ok and rows_ok and (self.kind == "mm" or BLOCK % self.block_n == 0)):
+            raise ValueError(f"{self} does not fit its kind's constraints (Fp8Tile's docstring)")
+
+
+# Decode tiles by batch size: (largest M, tile); M above the last entry is prefill. NOT TUNED on a GPU yet:
+# `python3 -m tools.bench.bench_kernels --only fp8` times candidates per M on the benchmark model's
+# projections and prints the entry to put here; gemv's and dot's block_m shrink to the batch. Chosen so
+# far from sm_90 compiles only (tools/bench/fp8_compile_check.py): the M = 1 gemv holds 4 weight rows of
+# 16 bytes a thread and prefetches the next step in 96 registers; the 4-row gemv needs 168 registers
+# (about 3 programs an SM), while the dot's cp.async pipeline keeps 3 steps of 8 KB in flight.
+DECODE_TILES: tuple[tuple[int, Fp8Tile], ...] = (
+    (1, Fp8Tile("gemv", 1, 128, 64, 4, 1)),
+    (4, Fp8Tile("dot", 16, 64, 128, 4, 4)),
+    (16, Fp8Tile("dot", 16, 64, 128, 4, 4)),
+    (32, Fp8Tile("dot", 32, 64, 128, 4, 4)),
+    (64, Fp8Tile("dot", 64, 64, 128, 4, 4)),
+)
 
 
 @lru_cache(maxsize=8)
@@ -80,22 +273,62 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def fit_rows(tile: Fp8Tile, m: int) -> Fp8Tile:
+    """tile with block_m shrunk to the batch: a gemv program holds at most next_pow2(m) rows, a dot or mm
+    tile at most max(16, next_pow2(m))."""
+    rows = min(4, next_pow2(m)) if tile.kind == "gemv" else max(16, next_pow2(m))
+    return replace(tile, block_m=min(tile.block_m, rows))
+
+
 def fp8_tile(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Fp8Tile:
-    """The tile for an [m, k] x [k, n] product: decode-sized m gets narrow tiles and a K split until
-    about two programs per SM are reading weights; prefill gets 128-wide tiles and no split. fp32
-    (exact ieee dots, the parity mode and the interpreter) gets small tiles."""
+    """The tile for an [m, k] x [k, n] product: DECODE_TILES up to 64 rows, 64/128-row mm tiles above.
+    fp32 (exact ieee dots, the parity mode and the interpreter) gets small tiles."""
     if dtype == torch.float32:
-        return Fp8Tile(16, 32, 32, 1, 4, 2)
-    if m > 64:
-        return Fp8Tile(64 if m <= 128 else 128, 128, 128, 1, 8, 3)
-    block_m = max(16, next_pow2(m))
-    tiles = -(-n // 64)
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
-    chunks = -(-k // 128)
-    split = 1
-    while split * 2 <= chunks and tiles * split < 2 * sms:
-        split *= 2
-    return Fp8Tile(block_m, 64, 128, split, 4, 4)
+        return fit_rows(Fp8Tile("gemv", 4, 32, 64, 4, 1), m) if m <= 4 else Fp8Tile("mm", 16, 32, 32, 4, 2, 1)
+    for rows, tile in DECODE_TILES:
+        if m <= rows:
+            return fit_rows(tile, m)
+    return Fp8Tile("mm", 64 if m <= 128 else 128, 128, 128, 8, 3, 1)
+
+
+def k_split(tile: Fp8Tile, m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(K columns per split, number of splits) for tile on this device. Each split holds whole 128-column
+    scale blocks; without tile.split_k, the split doubles while the grid has fewer than per_sm programs
+    per SM."""
+    groups = -(-k // BLOCK)
+    split = tile.split_k
+    if split is None:
+        programs = -(-n // tile.block_n) * -(-m // tile.block_m)
+        target = tile.per_sm * (_sm_count(device.index or 0) if device.type == "cuda" else 1)
+        split = 1
+        while split * 2 <= groups and programs * split < target:
+            split *= 2
+    k_per_split = -(-groups // max(1, min(split, groups))) * BLOCK
+    return k_per_split, -(-k // k_per_split)
+
+
+def _launch(tile: Fp8Tile, x2, weight, scale, bias, target, m: int, n: int, k: int, k_per_split: int,
+            split: int) -> None:
+    """One launch of tile's kernel into target ([M, N] in x's dtype, or [split, M, N] fp32 partials)."""
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split)
+    args = (x2, weight, scale, scale if bias is None else bias, target, m, n, k, k_per_split,
+            x2.stride(0), weight.stride(0), scale.stride(0), target.stride(-2), target.stride(0) if split > 1 else 0)
+    common = dict(SCALE_BLOCK=BLOCK, EVEN_K=k % tile.block_k == 0, HAS_BIAS=bias is not None,
+                  num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if tile.kind == "gemv":
+        _fp8_gemv_kernel[grid](*args, ROWS=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **common)
+        return
+    kernel = _fp8_dot_kernel if tile.kind == "dot" else _fp8_mm_kernel
+    kernel[grid](*args, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                 PRECISION=dot_precision(x2.dtype), **common)
+
+
+def _sum_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] = partials [S, M, N].sum(0) (+ bias) in split order, one launch."""
+    numel, block = out.numel(), 1024
+    _sum_splits_kernel[(triton.cdiv(numel, block),)](
+        partials, partials if bias is None else bias, out, numel, out.shape[-1],
+        SPLIT=partials.shape[0], HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -104,11 +337,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
 
     x: [..., K] (K contiguous) in fp32 / bf16 / fp16; weight: [N, K] float8_e4m3fn (K contiguous);
     scale: [ceil(N/128), ceil(K/128)] fp32 (may be a row slice of a wider one); bias: [N] or None;
-    tile: override fp8_tile (benchmark sweeps). Returns [..., N] in x's dtype.
+    tile: override fp8_tile, used as given (tests, benchmark sweeps). Returns [..., N] in x's dtype.
     """
     n, k = weight.shape
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1 and x.shape[-1] == k
     assert tuple(scale.shape) == scale_shape(n, k) and scale.stride(1) == 1
+    assert bias is None or (tuple(bias.shape) == (n,) and bias.stride(0) == 1)
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -117,21 +351,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     if m == 0:
         return out.view(*x.shape[:-1], n)
     tile = tile or fp8_tile(m, n, k, x.dtype, x.device)
-    assert BLOCK % tile.block_k == 0
-    k_per_split = -(-(-(-k // tile.split_k)) // BLOCK) * BLOCK  # whole scale blocks per split
-    split = -(-k // k_per_split)
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split)
-    has_bias = bias is not None and split == 1
-    _fp8_gemm_kernel[grid](
-        x2, weight, scale, bias if has_bias else scale, target, m, n, k, k_per_split,
-        x2.stride(0), weight.stride(0), scale.stride(0), target.stride(-2), target.stride(0) if split > 1 else 0,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SCALE_BLOCK=BLOCK,
-        HAS_BIAS=has_bias, PRECISION=dot_precision(x.dtype), num_warps=tile.num_warps, num_stages=tile.num_stages,
-    )
-    if split > 1:
-        total = target.sum(dim=0)  # fixed order: deterministic
-        if bias is not None:
-            total += bias.float()
-        out.copy_(total)
+    k_per_split, split = k_split(tile, m, n, k, x.device)
+    if split == 1:
+        _launch(tile, x2, weight, scale, bias, out, m, n, k, k_per_split, split)
+    else:
+        partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        _launch(tile, x2, weight, scale, None, partials, m, n, k, k_per_split, split)
+        _sum_splits(partials, bias, out)
     return out.view(*x.shape[:-1], n)

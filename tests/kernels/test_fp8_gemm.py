@@ -1,11 +1,13 @@
 """Block FP8 (hkv_kernels/fp8_gemm/): the quantize/dequantize reference, the weight-only FP8 GEMM and the
 MoE kernels' FP8 experts against the dequantizing reference."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from hkv_kernels.fp8_gemm.reference import FP8_MAX, dequantize, fp8_linear_ref, quantize, scale_shape
-from hkv_kernels.fp8_gemm.triton_fp8_gemm import Fp8Tile, fp8_linear
+from hkv_kernels.fp8_gemm.triton_fp8_gemm import DECODE_TILES, Fp8Tile, fit_rows, fp8_linear, fp8_tile, k_split
 from hkv_kernels.moe.reference import dequantize_experts, moe_experts_ref, moe_route_ref
 from hkv_kernels.moe.triton_moe import moe_experts
 from tests.kernels.helpers import assert_close, cases
@@ -39,13 +41,14 @@ def _fp8_weight(n, k, seed):
     return quantize(torch.randn(n, k, generator=gen) * k**-0.5)
 
 
-@pytest.mark.parametrize("device,dtype", cases())
-@pytest.mark.parametrize("m,n,k,bias,tile", [
-    (1, 256, 384, False, None), (5, 200, 300, True, None), (33, 130, 128, False, None),
-    (3, 256, 512, True, Fp8Tile(16, 64, 64, 4, 4, 2)),  # the K split: fp32 partials added in order
-    (70, 128, 200, False, Fp8Tile(32, 128, 128, 1, 4, 2)),
-], ids=["decode", "ragged-bias", "one-k-block", "split-k", "prefill"])
-def test_fp8_linear_matches_the_dequantized_reference(device, dtype, m, n, k, bias, tile):
+def _cases_with_fp16() -> list:
+    """cases() plus fp16 in the interpreter (bf16 is wrong there; fp16 checks the rounding to a half dtype)."""
+    cpu16 = pytest.param("cpu", torch.float16, id="interp-fp16",
+                         marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only case"))
+    return [*cases(), cpu16]
+
+
+def _check_fp8_linear(device, dtype, m, n, k, bias, tile):
     q, scale = _fp8_weight(n, k, seed=m + n)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(m, k, generator=gen).to(device, dtype)
@@ -56,13 +59,98 @@ def test_fp8_linear_matches_the_dequantized_reference(device, dtype, m, n, k, bi
     assert_close(out, want, dtype)
 
 
-@pytest.mark.parametrize("device,dtype", cases())
-def test_fp8_linear_on_a_row_slice_of_fused_weights(device, dtype):
-    """A fused projection's part: rows of a concatenated weight and the matching rows of its scales."""
-    q, scale = _fp8_weight(384, 256, seed=4)
-    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(5)).to(device, dtype)
-    out = fp8_linear(x, q[128:].to(device), scale[1:].to(device))
-    assert_close(out, fp8_linear_ref(x.float().cpu(), q[128:], scale[1:]), dtype)
+@pytest.mark.parametrize("device,dtype", _cases_with_fp16())
+@pytest.mark.parametrize("m,n,k,bias,tile", [
+    (1, 256, 384, False, None), (5, 200, 300, True, None), (33, 130, 128, False, None),
+    (3, 256, 512, True, Fp8Tile("mm", 16, 64, 64, 4, 2, 4)),  # the K split: fp32 partials added in order
+    (70, 128, 200, False, Fp8Tile("mm", 32, 128, 128, 4, 2, 1)),
+], ids=["decode", "ragged-bias", "one-k-block", "mm-split-k", "prefill"])
+def test_fp8_linear_matches_the_dequantized_reference(device, dtype, m, n, k, bias, tile):
+    _check_fp8_linear(device, dtype, m, n, k, bias, tile)
+
+
+@pytest.mark.parametrize("device,dtype", _cases_with_fp16())
+@pytest.mark.parametrize("m,n,k,bias,tile", [
+    (1, 256, 512, False, Fp8Tile("gemv", 1, 16, 64, 4, 1, 1)),  # one row, every shape even
+    (1, 200, 300, True, Fp8Tile("gemv", 1, 32, 64, 4, 1, 1)),  # N and K ragged
+    (3, 72, 640, False, Fp8Tile("gemv", 4, 8, 32, 2, 1, 2)),  # an odd batch in one 4-row group, split K
+    (5, 130, 384, True, Fp8Tile("gemv", 4, 32, 64, 4, 1, 3)),  # two row groups (one of a single row), 3 splits
+    (2, 64, 1000, True, Fp8Tile("gemv", 2, 128, 128, 8, 1, 2)),  # a tile taller than N, K ends mid-step
+    (6, 96, 256, False, Fp8Tile("gemv", 2, 32, 64, 4, 1, 8)),  # more splits asked than K has blocks
+], ids=["m1", "m1-ragged-bias", "m3-split", "m5-two-groups-bias", "m2-tall-bias", "split-capped"])
+def test_fp8_gemv_matches_the_dequantized_reference(device, dtype, m, n, k, bias, tile):
+    _check_fp8_linear(device, dtype, m, n, k, bias, tile)
+
+
+@pytest.mark.parametrize("device,dtype", _cases_with_fp16())
+@pytest.mark.parametrize("m,n,k,bias,tile", [
+    (1, 256, 256, False, Fp8Tile("dot", 16, 64, 128, 4, 2, 1)),  # one row padded to the dot's 16
+    (7, 200, 300, True, Fp8Tile("dot", 16, 64, 64, 4, 2, 1)),  # odd M, N and K ragged, bias
+    (19, 128, 512, True, Fp8Tile("dot", 16, 32, 128, 4, 2, 4)),  # two row blocks, split K with bias
+    (40, 300, 384, False, Fp8Tile("dot", 32, 128, 32, 4, 2, 2)),  # K steps of 32 inside a scale block
+], ids=["m1", "m7-ragged-bias", "m19-split-bias", "m40-split"])
+def test_fp8_dot_matches_the_dequantized_reference(device, dtype, m, n, k, bias, tile):
+    _check_fp8_linear(device, dtype, m, n, k, bias, tile)
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 33, 64])
+def test_fp8_linear_default_tiles_run_every_decode_bucket(m):
+    """fp8_tile's own pick for bf16 (DECODE_TILES), run in fp32 in the interpreter on a CPU (the tile's
+    shape is what is under test; a split needs an SM count, so the CPU gets none)."""
+    tile = fp8_tile(m, 200, 384, torch.bfloat16, torch.device("cpu"))
+    assert tile.kind == ("gemv" if m == 1 else "dot")
+    _check_fp8_linear("cpu", torch.float32, m, 200, 384, True, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 32, 64, 65])
+@pytest.mark.parametrize("n,k", [(2048, 4096), (1000, 1280)], ids=["few-tiles-split", "ragged-n"])
+def test_fp8_linear_default_tiles_on_cuda_are_close_and_deterministic(dtype, m, n, k):
+    """fp8_tile's picks on the device: the automatic K split engages where N gives few programs (2048
+    rows: 32..128 tiles for 132 SMs), the bias goes through the split sum, and two runs agree bit for bit
+    (partials are added in a fixed order)."""
+    q, scale = _fp8_weight(n, k, seed=m)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+    b = torch.randn(n, generator=gen).to("cuda", dtype)
+    qd, sd = q.cuda(), scale.cuda()
+    out = fp8_linear(x, qd, sd, b)
+    assert_close(out, fp8_linear_ref(x.float().cpu(), q, scale, b.float().cpu()), dtype)
+    assert torch.equal(out, fp8_linear(x, qd, sd, b))
+
+
+def test_fp8_tile_picks_the_kind_by_batch_and_shrinks_rows_to_it():
+    cpu = torch.device("cpu")
+    assert fp8_tile(1, 4096, 2048, torch.bfloat16, cpu).block_m == 1
+    assert fp8_tile(3, 4096, 2048, torch.bfloat16, cpu).block_m == 16
+    assert fp8_tile(3, 4096, 2048, torch.float32, cpu).block_m == 4
+    assert fp8_tile(2, 4096, 2048, torch.float32, cpu).block_m == 2
+    assert fp8_tile(9, 4096, 2048, torch.bfloat16, cpu) == replace(DECODE_TILES[2][1], block_m=16)
+    assert fp8_tile(33, 4096, 2048, torch.bfloat16, cpu).block_m == 64
+    assert fp8_tile(65, 4096, 2048, torch.bfloat16, cpu).kind == "mm"
+    assert fp8_tile(1, 4096, 2048, torch.float32, cpu).kind == "gemv"
+    assert fit_rows(Fp8Tile("dot", 64, 64, 128, 4, 4), 5).block_m == 16
+
+
+def test_k_split_keeps_whole_scale_blocks_and_steps():
+    cpu = torch.device("cpu")
+    assert k_split(Fp8Tile("dot", 16, 64, 64, 4, 2, 3), 1, 64, 1000, cpu) == (384, 3)  # 8 blocks: 3 + 3 + 2
+    assert k_split(Fp8Tile("gemv", 1, 16, 64, 4, 1, 2), 1, 64, 1000, cpu) == (512, 2)
+    assert k_split(Fp8Tile("gemv", 1, 16, 64, 4, 1, 64), 1, 64, 300, cpu) == (128, 3)  # capped at the blocks
+    # no split_k: doubles while programs * split < per_sm * SMs (1 SM on a CPU)
+    assert k_split(Fp8Tile("gemv", 1, 16, 64, 4, 1, None, per_sm=8), 1, 32, 2048, cpu) == (512, 4)
+    assert k_split(Fp8Tile("dot", 16, 64, 128, 4, 4), 1, 4096, 2048, cpu) == (2048, 1)
+
+
+@pytest.mark.parametrize("args", [("wide", 16, 64, 128, 4, 4), ("gemv", 8, 16, 128, 4, 1),
+                                  ("gemv", 1, 48, 128, 4, 1), ("dot", 8, 64, 128, 4, 4), ("dot", 16, 64, 256, 4, 4),
+                                  ("gemv", 1, 16, 96, 4, 1), ("mm", 16, 48, 64, 4, 2), ("gemv", 1, 16, 128, 3, 1),
+                                  ("gemv", 1, 16, 128, 4, 1)])
+def test_fp8_tile_refuses_shapes_its_kernel_cannot_run(args):
+    with pytest.raises(ValueError):
+        Fp8Tile(*args)
 
 
 def _fp8_experts(num_experts, hidden, inter, seed):
@@ -95,3 +183,23 @@ def test_dequantize_experts_tiles_gate_and_up_halves_separately():
     d13, d2 = dequantize_experts(w13, w2, (s13, s2), torch.float32)
     assert s13.shape == (2, 2, 2) and torch.equal(d13[:, 70:], dequantize(w13[:, 70:], s13[:, 1:], torch.float32))
     assert torch.equal(d2, dequantize(w2, s2, torch.float32))
+
+
+def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypatch, capsys):
+    """tools/bench/bench_fp8_kernels.py on two small shapes in fp32 on a CPU, timings stubbed: every sweep
+    candidate and the default tiles run and match the reference, and each bucket prints its DECODE_TILES
+    entry (the GPU run must not be the first to execute the section's Python)."""
+    from tools.bench import bench_fp8_kernels as fp8_bench
+    from tools.bench import bench_kernels
+
+    monkeypatch.setattr(bench_kernels, "DECODE_GEMMS", [("even", 256, 256, 2), ("ragged", 200, 384, 1)])
+    monkeypatch.setattr(bench_kernels, "ROWS", [])
+    monkeypatch.setattr(fp8_bench, "ROWS", (1, 5))
+    monkeypatch.setattr(fp8_bench, "SWEEP_ROWS", (1, 16))
+    monkeypatch.setattr(fp8_bench, "quick_bench", lambda fn: (fn(), 1.0)[1])
+    fp8_bench.bench_fp8(bench_kernels.row, lambda fn: (fn(), 1.0)[1], device="cpu", dtype=torch.float32)
+    out = capsys.readouterr().out
+    assert "relative error" not in out and "failed" not in out, out
+    sweep_rows = [r for r in bench_kernels.ROWS if r["kernel"].startswith("fp8_sweep_")]
+    assert len(sweep_rows) == 2 * sum(len(fp8_bench.candidates(rows)) for rows in (1, 16))
+    assert out.count("DECODE_TILES entry for M <= ") == 2

@@ -1,45 +1,258 @@
 """The FP8 section of tools/bench/bench_kernels.py (`--only fp8`): block-FP8 GEMMs on the benchmark
-model's projections (bench_kernels.DECODE_GEMMS) at M = 1, 32, 64 (decode) and 2048 (a prefill chunk:
-does FP8 cost prefill time?), against cuBLAS bf16.
+model's projections (bench_kernels.DECODE_GEMMS), against cuBLAS bf16 (F.linear) timed in the same run.
 
-Two FP8 implementations, each checked against the dequantizing reference before it is timed:
-- hkv's Triton weight-only GEMM (hkv_kernels/fp8_gemm): bf16 activations, the weights dequantized in
-  registers;
-- torch's block-scaled cuBLAS GEMM (torch.nn.functional.scaled_mm, 1 x 128 activation groups by
-  128 x 128 weight blocks) where the installed torch has it, with the activations quantized per
-  1 x 128 group first: timed alone (`scaled_mm`) and with that quantization (`scaled_mm+quant`, what a
-  model would pay).
+1. Headline rows at M = 1, 32, 64 (decode) and 2048 (a prefill chunk: does FP8 cost prefill time?):
+   - hkv's Triton weight-only GEMM (hkv_kernels/fp8_gemm) with the tile fp8_tile picks;
+   - torch's block-scaled cuBLAS GEMM (torch.nn.functional.scaled_mm, 1 x 128 activation groups by
+     128 x 128 weight blocks) where the installed torch has it, with the activations quantized per
+     1 x 128 group first: timed alone (`scaled_mm`) and with that quantization (`scaled_mm+quant`,
+     what a model would pay).
+   Per M, the decode step's GEMM total (each shape times its count) for bf16 and for hkv's FP8.
+2. The tile sweep at M = 1, 4, 16, 32, 64 (DECODE_TILES' buckets): candidate tiles per bucket on every
+   projection (`fp8_sweep_*` rows, the tile in the shape column; `*` marks the current entry), each
+   shape's fastest, and per bucket the tile with the lowest step total, printed as the DECODE_TILES
+   entry to paste into hkv_kernels/fp8_gemm/triton_fp8_gemm.py.
 
-Rows: GB/s on the FP8 weight bytes (with their scales), % of copy bandwidth, and the speed-up over
-bf16 F.linear on the same shape (acceptance: >= 60% of copy bandwidth at M = 1, >= 1.3x bf16 at
-M = 64). Per M, the decode step's GEMM total (each shape times its count) for bf16 and for hkv's FP8.
+Every implementation and candidate is checked against the dequantizing reference before it is timed; a
+variant that fails (compile error, unsupported shape, wrong result) prints one line and the rest go on.
+Rows: GB/s on the FP8 weight bytes (with their scales), % of copy bandwidth, and the speed-up over bf16
+F.linear on the same shape (acceptance: >= 60% of copy bandwidth at M = 1, >= 1.3x bf16 at M = 64).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+import triton
 
-from hkv_kernels.fp8_gemm.reference import FP8_MAX, fp8_linear_ref, quantize
-from hkv_kernels.fp8_gemm.triton_fp8_gemm import fp8_linear
+from hkv_kernels.fp8_gemm.reference import FP8_MAX, dequantize, quantize
+from hkv_kernels.fp8_gemm.triton_fp8_gemm import DECODE_TILES, Fp8Tile, fit_rows, fp8_linear, fp8_tile, k_split
 
 GB = 1e9
-ROWS = (1, 32, 64, 2048)  # decode batches, then one prefill chunk
+ROWS = (1, 32, 64, 2048)  # headline: decode batches, then one prefill chunk
+SWEEP_ROWS = tuple(rows for rows, _ in DECODE_TILES)  # one sweep per DECODE_TILES bucket
+
+
+@dataclass
+class Projection:
+    """One benchmark-model projection: bf16 weight and its FP8 form (device), GEMMs per decode step."""
+
+    name: str
+    n: int
+    k: int
+    count: int
+    w: torch.Tensor  # [N, K] bf16
+    q: torch.Tensor  # [N, K] float8_e4m3fn
+    scale: torch.Tensor  # [ceil(N/128), ceil(K/128)] fp32
+    w_ref: torch.Tensor  # [N, K] bf16: dequantize(q, scale), what every FP8 path must match
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def quick_bench(fn: Callable[[], object]) -> float:
+    """Median ms over ~20 ms of repeats (L2 flushed each): enough to rank sweep candidates."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+def _gbytes(p: Projection, rows: int) -> float:
+    return (p.q.numel() + p.scale.numel() * 4 + rows * (p.n + p.k) * 2) / GB
+
+
+def _shape(p: Projection, rows: int) -> str:
+    return f"M{rows} N{p.n} K{p.k} x{p.count}"
+
+
+def tile_label(tile: Fp8Tile, split: int | None = None) -> str:
+    """kind rows x weight rows x K step, warps, stages, per_sm, and the K split a shape got (sk)."""
+    return (f"{tile.kind} {tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages} "
+            f"ps{tile.per_sm}" + ("" if split is None else f" sk{split}"))
+
+
+def candidates(rows: int) -> list[Fp8Tile]:
+    """Tiles to sweep for the DECODE_TILES bucket `rows` (each fitted to it), the current entry first, then
+    other shapes of its kind, the neighbouring kind, and the current tile with other K-split targets.
+    About 8 a bucket keep the section near three minutes. Fp8Tile's docstring has the constraints."""
+    current = dict(DECODE_TILES)[rows]
+
+    def gemv(n, bk, warps):
+        return Fp8Tile("gemv", 4, n, bk, warps, 1)
+
+    def dot(n, bk, warps, stages):
+        return Fp8Tile("dot", 64, n, bk, warps, stages)
+
+    gemvs = [gemv(128, 64, 4), gemv(64, 64, 4), gemv(128, 32, 2), gemv(128, 128, 8), gemv(64, 32, 2)]
+    dots = [dot(64, 128, 4, 4), dot(128, 128, 4, 3), dot(64, 64, 4, 5), dot(128, 128, 8, 3)]
+    pool = {
+        1: [*gemvs, dots[0]],
+        4: [*gemvs[:4], *dots[:3]],
+        16: [*dots, Fp8Tile("mm", 64, 64, 128, 4, 4), gemvs[0]],
+    }.get(rows, [*dots, Fp8Tile("mm", 64, 64, 128, 4, 4)])
+    pool += [replace(current, per_sm=ps) for ps in (1, 4, 8) if ps != current.per_sm]
+    fitted = [fit_rows(t, rows) for t in [current, *pool]]
+    return list(dict.fromkeys(fitted))  # drop duplicates, keep the order
+
+
+def _projections(gen: torch.Generator, dtype: torch.dtype) -> list[Projection]:
+    from tools.bench.bench_kernels import DECODE_GEMMS
+
+    out = []
+    for name, n, k, count in DECODE_GEMMS:
+        w = (torch.randn(n, k, device=gen.device, generator=gen) * 0.02).to(dtype)
+        q, scale = quantize(w)
+        out.append(Projection(name, n, k, count, w, q, scale, dequantize(q, scale, dtype)))
+    return out
+
+
+def _precompile(projections: list[Projection], gen: torch.Generator) -> dict[tuple[int, Fp8Tile], str]:
+    """Compile every (rows, candidate) on every shape on a thread pool (Triton compiles in native code and
+    ptxas, so threads overlap; the CPU interpreter is not thread-safe and gets one thread); returns the
+    failures, each (rows, tile) -> its first error line."""
+    k_max, dtype = max(p.k for p in projections), projections[0].w.dtype
+    xs = {rows: torch.randn(rows, k_max, device=gen.device, generator=gen).to(dtype) for rows in {*SWEEP_ROWS, *ROWS}}
+    jobs = [(rows, tile) for rows in SWEEP_ROWS for tile in candidates(rows)]
+    # fp8_tile depends on the batch and dtype only
+    jobs += [(rows, fp8_tile(rows, p.n, p.k, dtype, p.q.device)) for rows in ROWS for p in projections[:1]]
+
+    def compile_one(job):
+        rows, tile = job
+        try:
+            for p in projections:  # a K split or none, EVEN_K or not: each shape may need its own variant
+                fp8_linear(xs[rows][:, : p.k], p.q, p.scale, tile=tile)
+            return None
+        except Exception as exc:  # reported once, and the timing loop skips the tile
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+    with ThreadPoolExecutor(max_workers=16 if gen.device.type == "cuda" else 1) as pool:
+        errors = dict(zip(jobs, pool.map(compile_one, jobs)))
+    return {job: err for job, err in errors.items() if err is not None}
+
+
+def bench_fp8(row: Callable, bench: Callable, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> None:
+    """The whole section; device and dtype exist for the interpreter's smoke test (fp32 on a CPU)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    projections = _projections(gen, dtype)
+    failed = _precompile(projections, gen)
+    for (rows, tile), err in failed.items():
+        print(f"fp8: {tile_label(tile)} at M{rows} failed to run: {err}", flush=True)
+    bf16_ms = _bench_headline(row, bench, projections, gen)
+    _bench_sweep(row, projections, gen, bf16_ms, failed)
+
+
+def _bench_headline(row: Callable, bench: Callable, projections: list[Projection],
+                    gen: torch.Generator) -> dict[tuple[int, str], float]:
+    """hkv's default tile, bf16 and torch's scaled_mm at ROWS; returns the bf16 times by (rows, name)."""
+    blockwise = scaled_mm_blockwise()
+    if blockwise is None:
+        print(f"fp8: torch {torch.__version__} has no block-scaled scaled_mm; timing hkv's kernel only", flush=True)
+    bf16_ms: dict[tuple[int, str], float] = {}
+    totals: dict[tuple[int, str], float] = {}
+    for rows in ROWS:
+        tile = fp8_tile(rows, projections[0].n, projections[0].k, projections[0].w.dtype, projections[0].q.device)
+        print(f"fp8_tile at M{rows}: {tile_label(tile)}", flush=True)
+        for p in projections:
+            x = torch.randn(rows, p.k, device=gen.device, generator=gen).to(p.w.dtype)
+            ref = F.linear(x, p.w_ref)
+            base = bench(lambda: F.linear(x, p.w))
+            bf16_ms[rows, p.name] = base
+            totals[rows, "bf16"] = totals.get((rows, "bf16"), 0.0) + p.count * base
+            ms = _time_checked(bench, lambda: fp8_linear(x, p.q, p.scale), ref, 2e-2, f"fp8_linear {_shape(p, rows)}")
+            if ms is not None:
+                row(f"fp8_gemm_{p.name}", _shape(p, rows), ms, gbytes=_gbytes(p, rows), base_name="bf16 F.linear",
+                    base_ms=base)
+            totals[rows, "fp8"] = totals.get((rows, "fp8"), 0.0) + p.count * (ms if ms is not None else float("nan"))
+            if blockwise is not None:
+                _bench_scaled_mm(row, bench, blockwise, (x, p.q, p.scale, ref), _shape(p, rows), _gbytes(p, rows),
+                                 base, p.name)
+    for rows in ROWS:
+        bf16, fp8 = totals[rows, "bf16"], totals[rows, "fp8"]
+        print(f"a step's GEMMs, M{rows}: bf16 {bf16:.3f} ms, hkv FP8 {fp8:.3f} ms (x{bf16 / fp8:.2f})", flush=True)
+        row("fp8_gemm_step_total", f"M{rows}", fp8, base_name="bf16 F.linear", base_ms=bf16)
+    return bf16_ms
+
+
+def _time_checked(bench: Callable, fn: Callable[[], torch.Tensor], ref: torch.Tensor, tol: float,
+                  what: str) -> float | None:
+    """fn's median ms if its output is within tol (relative L2) of ref, else None with one printed line."""
+    try:
+        err = _rel(fn(), ref)
+        if not err < tol:
+            print(f"{what}: relative error {err:.2e} >= {tol:.0e}, not timed", flush=True)
+            return None
+        return bench(fn)
+    except Exception as exc:  # a compile error or an unsupported shape: the other variants still run
+        print(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        return None
+
+
+def _bench_sweep(row: Callable, projections: list[Projection], gen: torch.Generator,
+                 bf16_ms: dict[tuple[int, str], float], failed: dict) -> None:
+    """Every candidate of every bucket on every projection; per bucket, the tile with the lowest step total."""
+    for rows in SWEEP_ROWS:
+        current = candidates(rows)[0]
+        tiles = [t for t in candidates(rows) if (rows, t) not in failed]
+        if not tiles:
+            print(f"sweep M{rows}: every candidate failed", flush=True)
+            continue
+        step: dict[Fp8Tile, float] = dict.fromkeys(tiles, 0.0)
+        bf16_step = 0.0
+        for p in projections:
+            x = torch.randn(rows, p.k, device=gen.device, generator=gen).to(p.w.dtype)
+            ref = F.linear(x, p.w_ref)
+            base = bf16_ms.get((rows, p.name)) or quick_bench(lambda: F.linear(x, p.w))
+            bf16_step += p.count * base
+            times = {}
+            for tile in tiles:
+                split = k_split(tile, rows, p.n, p.k, x.device)[1]
+                label = ("*" if tile == current else " ") + tile_label(tile, split)
+                ms = _time_checked(quick_bench, lambda: fp8_linear(x, p.q, p.scale, tile=tile), ref, 2e-2,
+                                   f"fp8 sweep {_shape(p, rows)} {label}")
+                times[tile] = ms if ms is not None else float("inf")
+                step[tile] += p.count * times[tile]
+                if ms is not None:
+                    row(f"fp8_sweep_{p.name}", f"M{rows} N{p.n} K{p.k} {label}", ms, gbytes=_gbytes(p, rows),
+                        base_name="bf16 F.linear", base_ms=base)
+            best = min(times, key=times.get)
+            print(f"  pick M{rows} {p.name}: {tile_label(best, k_split(best, rows, p.n, p.k, x.device)[1])} "
+                  f"{times[best]:.4f} ms (current / best: x{times.get(current, float('nan')) / times[best]:.2f})",
+                  flush=True)
+        _print_recommendation(rows, current, step, bf16_step)
+
+
+def _print_recommendation(rows: int, current: Fp8Tile, step: dict[Fp8Tile, float], bf16_step: float) -> None:
+    best = min(step, key=step.get)
+    now = step.get(current, float("nan"))  # nan: the current tile failed to run
+    print(f"sweep M{rows}: step GEMMs bf16 {bf16_step:.4f} ms, current tile {now:.4f} ms "
+          f"(x{bf16_step / now:.2f}), best {step[best]:.4f} ms (x{bf16_step / step[best]:.2f})", flush=True)
+    entry = (f'({rows}, Fp8Tile("{best.kind}", {best.block_m}, {best.block_n}, {best.block_k}, {best.num_warps}, '
+             f"{best.num_stages}, per_sm={best.per_sm})),")
+    print(f"  DECODE_TILES entry for M <= {rows}{' (unchanged)' if best == current else ''}: {entry}", flush=True)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 128) -> (fp8 [M, K], fp32 scales [M, K/128] stored outer-dim-major):
-    one multiplier per token and 128 columns, DeepSeek's dynamic activation scheme."""
+    """x [M, K] (K a multiple of 128) -> (fp8 [M, K], fp32 scales [M, K/128] with strides (1, M)): one
+    multiplier per token and 128 columns, DeepSeek's dynamic activation scheme. cuBLAS's 1 x 128 scales
+    are outer-dim-major; strides are built explicitly because t().contiguous().t() keeps a [1, G]
+    tensor's (G, 1) strides (a size-1 dim makes it "contiguous" already), which torch refuses at M = 1."""
     groups = x.float().unflatten(-1, (-1, 128))  # [M, K/128, 128]
     scale = groups.abs().amax(-1).clamp_min(1e-12) / FP8_MAX  # [M, K/128]
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).flatten(-2).to(torch.float8_e4m3fn)
-    return q, scale.t().contiguous().t()
+    outer_major = torch.empty_strided(scale.shape, (1, scale.shape[0]), dtype=scale.dtype, device=scale.device)
+    return q, outer_major.copy_(scale)
+
+
+def weight_scales_for_scaled_mm(scale: torch.Tensor) -> torch.Tensor:
+    """[ceil(N/128), G] block scales -> the [round_up(G, 4), ceil(N/128)] operand with strides (1, round_up(G, 4))
+    that cuBLAS's 128 x 128 scaling takes for the transposed weight (rows past G are padding)."""
+    blocks, groups = scale.shape
+    padded = torch.zeros(blocks, -(-groups // 4) * 4, dtype=scale.dtype, device=scale.device)
+    padded[:, :groups] = scale
+    return padded.t()
 
 
 def scaled_mm_blockwise() -> Callable | None:
@@ -50,55 +263,22 @@ def scaled_mm_blockwise() -> Callable | None:
         return None
 
     def run(xq, x_scale, q, q_scale):
-        return scaled_mm(xq, q.t(), x_scale, scaling.BlockWise1x128, q_scale.t(), scaling.BlockWise128x128,
+        return scaled_mm(xq, q.t(), x_scale, scaling.BlockWise1x128, q_scale, scaling.BlockWise128x128,
                          output_dtype=torch.bfloat16)
 
     return run
 
 
-def bench_fp8(row: Callable, bench: Callable) -> None:
-    from tools.bench.bench_kernels import DECODE_GEMMS
-
-    blockwise = scaled_mm_blockwise()
-    if blockwise is None:
-        print(f"fp8: torch {torch.__version__} has no block-scaled scaled_mm; timing hkv's kernel only", flush=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    totals: dict[tuple[int, str], float] = {}
-    for rows in ROWS:
-        for name, n, k, count in DECODE_GEMMS:
-            w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
-            q, scale = quantize(w)
-            x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-            shape = f"M{rows} N{n} K{k} x{count}"
-            gbytes = (q.numel() + scale.numel() * 4 + rows * (n + k) * 2) / GB
-            ref = fp8_linear_ref(x, q, scale)
-            err = _rel(fp8_linear(x, q, scale), ref)
-            assert err < 2e-2, f"fp8_linear {shape}: relative error {err:.2e}"
-            bf16_ms = bench(lambda: F.linear(x, w))
-            ms = bench(lambda: fp8_linear(x, q, scale))
-            row(f"fp8_gemm_{name}", shape, ms, gbytes=gbytes, base_name="bf16 F.linear", base_ms=bf16_ms)
-            totals[rows, "bf16"] = totals.get((rows, "bf16"), 0.0) + count * bf16_ms
-            totals[rows, "fp8"] = totals.get((rows, "fp8"), 0.0) + count * ms
-            if blockwise is not None:
-                _bench_scaled_mm(row, bench, blockwise, (x, q, scale, ref), shape, gbytes, bf16_ms, name)
-            del w, q, scale, x, ref
-    for rows in ROWS:
-        bf16, fp8 = totals[rows, "bf16"], totals[rows, "fp8"]
-        print(f"a step's GEMMs, M{rows}: bf16 {bf16:.3f} ms, hkv FP8 {fp8:.3f} ms (x{bf16 / fp8:.2f})", flush=True)
-        row("fp8_gemm_step_total", f"M{rows}", fp8, base_name="bf16 F.linear", base_ms=bf16)
-
-
 def _bench_scaled_mm(row, bench, blockwise, tensors, shape: str, gbytes: float, bf16_ms: float, name: str) -> None:
     x, q, scale, ref = tensors
-    try:
-        xq, x_scale = quantize_activations(x)
-        err = _rel(blockwise(xq, x_scale, q, scale), ref)
-        if err > 5e-2:  # activation rounding adds ~2^-4 relative per element; more means a wrong layout
-            print(f"fp8 scaled_mm {shape}: relative error {err:.2e}, not timed", flush=True)
-            return
-        ms = bench(lambda: blockwise(xq, x_scale, q, scale))
-        row(f"fp8_scaled_mm_{name}", shape, ms, gbytes=gbytes, base_name="bf16 F.linear", base_ms=bf16_ms)
-        ms = bench(lambda: blockwise(*quantize_activations(x), q, scale))
+    w_scale = weight_scales_for_scaled_mm(scale)
+    xq, x_scale = quantize_activations(x)
+    # activation rounding adds ~2^-4 relative per element; more means a wrong layout
+    ms = _time_checked(bench, lambda: blockwise(xq, x_scale, q, w_scale), ref, 5e-2, f"fp8 scaled_mm {shape}")
+    if ms is None:
+        return
+    row(f"fp8_scaled_mm_{name}", shape, ms, gbytes=gbytes, base_name="bf16 F.linear", base_ms=bf16_ms)
+    ms = _time_checked(bench, lambda: blockwise(*quantize_activations(x), q, w_scale), ref, 5e-2,
+                       f"fp8 scaled_mm+quant {shape}")
+    if ms is not None:
         row(f"fp8_scaled_mm+quant_{name}", shape, ms, gbytes=gbytes, base_name="bf16 F.linear", base_ms=bf16_ms)
-    except RuntimeError as exc:  # an unsupported shape (M, alignment) or architecture
-        print(f"fp8 scaled_mm {shape}: {str(exc).splitlines()[0]}", flush=True)
