@@ -9,7 +9,10 @@ where the router's step wall time spans scheduling, the plan's trip to the
 rank, batch building, the forward, sampling, the result's trip back and
 publishing tokens to the api. The client-side time per token is printed too.
 
-    python -m tools.bench.bench_step_overhead [--model tiny-dense] [--tokens 512] [--json out.json]
+--free-forward makes the ranks' model forward free (tools/bench/free_forward/): every
+step is then host work only, the path a GPU decode step at concurrency 1 is bound by.
+
+    python -m tools.bench.bench_step_overhead [--model tiny-dense] [--tokens 512] [--free-forward] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,12 +39,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, name: str, extra: list[str]) -> subprocess.Popen:
-    """Start hkv-launch and wait for its ready line (also used by tools.bench.soak)."""
+FREE_FORWARD_DIR = Path(__file__).with_name("free_forward")  # its sitecustomize frees the ranks' forward
+
+
+def start_server(model: str, port: int, name: str, extra: list[str], free_forward: bool = False) -> subprocess.Popen:
+    """Start hkv-launch and wait for its ready line (also used by tools.bench.soak); free_forward: the
+    ranks' forward costs nothing (FREE_FORWARD_DIR first on the actors' PYTHONPATH)."""
     launch = str(Path(sys.executable).with_name("hkv-launch"))
+    env = None
+    if free_forward:
+        paths = [str(FREE_FORWARD_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     proc = subprocess.Popen(
         [launch, "--model", model, "--port", str(port), "--name", name, *extra],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, text=True, env=env,
     )
     ready = threading.Event()
 
@@ -79,9 +90,9 @@ def _stream(url: str, tokens: int, on_first, stream: bool = True) -> list[float]
     return arrivals
 
 
-def measure(model: str, tokens: int, extra: list[str], stream: bool = True) -> dict:
+def measure(model: str, tokens: int, extra: list[str], stream: bool = True, free_forward: bool = False) -> dict:
     port, name = free_port(), f"bench{os.getpid()}"
-    proc = start_server(model, port, name, extra)
+    proc = start_server(model, port, name, extra, free_forward)
     url = f"http://127.0.0.1:{port}"
     try:
         region = ShmRegion.attach(name, stats.REGION, readonly=True)
@@ -105,6 +116,7 @@ def measure(model: str, tokens: int, extra: list[str], stream: bool = True) -> d
     return {
         "model": model,
         "streamed": stream,
+        "free_forward": free_forward,
         "decode_steps": int(steps),
         "step_wall_ms": wall * 1e3,
         "forward_ms": forward * 1e3,
@@ -121,11 +133,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--no-stream", action="store_true", help="one non-streamed response (less api work per token)")
+    p.add_argument("--free-forward", action="store_true",
+                   help="the ranks' model forward costs nothing: a step is host work only (tools/bench/free_forward/)")
     args = p.parse_args(argv)
-    result = measure(args.model, args.tokens, ["--device", args.device], stream=not args.no_stream)
+    result = measure(args.model, args.tokens, ["--device", args.device], stream=not args.no_stream,
+                     free_forward=args.free_forward)
     print(json.dumps(result, indent=2))
     print(
-        f"{result['model']}: {result['decode_steps']} decode steps, {result['step_wall_ms']:.3f} ms/step, "
+        ("free forward, " if result["free_forward"] else "") + f"{result['model']}: {result['decode_steps']} decode steps, {result['step_wall_ms']:.3f} ms/step, "
         f"forward {result['forward_ms']:.3f} ms ({result['forward_share']:.0%}), "
         f"overhead outside the forward {result['overhead_ms']:.3f} ms/step"
         + ("" if result["client_ms_per_token"] is None else
