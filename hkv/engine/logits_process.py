@@ -64,13 +64,18 @@ class DeferredMasks:
         every row with an EOS-only mask rather than leaving the device to read stale bytes."""
         started = time.perf_counter()
         live = sum(not m.done for m in self.matchers)
-        try:
-            fill_masks(self.matchers, self.masks, self.grammars.get().executor if live and self.grammars else None)
-        except Exception as exc:
-            log.error("the constrained sequences of a step end: their masks failed (%s: %s)", type(exc).__name__, exc)
-            for i, matcher in enumerate(self.matchers):
-                matcher.failed = True
-                matcher.fill(self.masks[i])
+        # the buffer was made under the launch's inference mode, which is per thread: writing it in place
+        # (an EOS-only row) needs it on this one too
+        with torch.inference_mode():
+            try:
+                executor = self.grammars.get().executor if live and self.grammars else None
+                fill_masks(self.matchers, self.masks, executor)
+            except Exception as exc:
+                log.error("the constrained sequences of a step end: their masks failed (%s: %s)",
+                          type(exc).__name__, exc)
+                for i, matcher in enumerate(self.matchers):
+                    matcher.failed = True
+                    matcher.fill(self.masks[i])
         return time.perf_counter() - started, live
 
 
