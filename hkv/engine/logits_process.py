@@ -15,7 +15,9 @@ Everything but the mask stays on the device: the output's token counts live in o
 needs the matcher to have seen every token before it: on CUDA the rank plans a step before the
 previous one's tokens are on the host, so a step with a grammar row samples late (`behind`, then
 the runner's `complete`), once those tokens are in: the masks are computed on the host while the
-step's forward runs, uploaded and applied in front of its sampling.
+step's forward runs, uploaded and applied in front of its sampling. With HKV_GRAMMAR_DEVICE_WAIT=1
+(`apply_deferred`, hkv/engine/mask_wait.py) the step queues all of that at once, the upload behind a
+device-side wait, and the masks are filled off the main thread.
 
 A sequence's state is rebuilt from its NewSequence whenever it is (re)admitted: the router sends
 the prompt (with a repetition penalty) and the tokens it generated before a preemption, so a

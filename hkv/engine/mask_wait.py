@@ -22,10 +22,16 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from hkv.engine.host_flag import FlagSequence
-from hkv.engine.logits_process import DeferredMasks
+from hkv.engine.logits_process import DeferredMasks, LogitsProcessor
+from hkv.engine.sampler import PendingSample, sample_async
+
+if TYPE_CHECKING:
+    from hkv.engine.model_runner import LateSample
 
 log = logging.getLogger("hkv.rank")
 
@@ -53,6 +59,13 @@ class PendingFill:
             raise RuntimeError("a deferred mask fill waited for before it was started")
         return self.future.result()
 
+    def outcome(self) -> tuple[tuple[float, int, float], str | None]:
+        """`result`, or zero figures and the error a fill that raised ends its step with."""
+        try:
+            return self.result(), None
+        except Exception as exc:
+            return (0.0, 0, 0.0), f"{type(exc).__name__}: {exc}"
+
 
 class MaskWait:
     """The rank's device-side waits for grammar masks, and the one thread that fills them in step order."""
@@ -68,6 +81,22 @@ class MaskWait:
     def take(self) -> int:
         """The value the next queued wait is for; the caller releases it if it fails before `start`."""
         return self.sequence.take()
+
+    def sample(self, processor: LogitsProcessor, slots: list[int], late: LateSample, last_tokens: torch.Tensor
+               ) -> tuple[PendingSample, PendingFill]:
+        """The runner's `_sample` for a step whose grammar rows are behind, without waiting for them: everything is
+        queued now, the masks' copy behind a device-side wait that `start` later releases; the ids land in
+        `last_tokens` on the device. A failure releases the wait (it may be queued already) and raises."""
+        value = self.take()
+        try:
+            masks = processor.apply_deferred(late.logits, slots, late.processed, lambda: self.queue_wait(value))
+            pending = sample_async(late.logits, late.rows)
+            processor.sampled(slots, late.processed, pending.ids)
+            last_tokens.index_copy_(0, late.sample_rows, pending.ids)
+        except BaseException:
+            self.release(value)
+            raise
+        return pending, PendingFill(value, masks, late.queued)
 
     def queue_wait(self, value: int) -> None:
         self.flag.wait(value)

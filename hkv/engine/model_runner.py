@@ -239,7 +239,7 @@ class ModelRunner:
                 late = LateSample(logits, sample_rows, rows, processed, time.perf_counter())
                 if processed and self.processor.behind(slots):  # sampled once the step before is answered
                     if self.mask_wait is not None and samples_on_device(logits, rows):  # ... on the device
-                        pending, fill = self._sample_deferred(slots, late)
+                        pending, fill = self.mask_wait.sample(self.processor, slots, late, self.last_tokens)
                         return Launched(plan, slots, pending, started, peer_timings=timings, graph=graph,
                                         matched=matched, fill=fill)
                     return Launched(plan, slots, None, started, peer_timings=timings, graph=graph, late=late,
@@ -266,21 +266,6 @@ class ModelRunner:
             self.last_tokens.index_copy_(0, late.sample_rows, pending.ids)
         return pending, (mask_s, live, wait_s if live else 0.0)
 
-    def _sample_deferred(self, slots: list[int], late: LateSample) -> tuple[PendingSample, PendingFill]:
-        """`_sample` for a step whose grammar rows are behind, without waiting for them: everything is queued now,
-        the masks' copy behind a device-side wait (hkv/engine/mask_wait.py) that `complete` later releases."""
-        waits = self.mask_wait
-        value = waits.take()
-        try:
-            masks = self.processor.apply_deferred(late.logits, slots, late.processed, lambda: waits.queue_wait(value))
-            pending = sample_async(late.logits, late.rows)
-            self.processor.sampled(slots, late.processed, pending.ids)
-            self.last_tokens.index_copy_(0, late.sample_rows, pending.ids)
-        except BaseException:
-            waits.release(value)  # a wait already queued must pass: nothing else will release it
-            raise
-        return pending, PendingFill(value, masks, late.queued)
-
     def complete(self, launched: "Launched") -> None:
         """Sample a launched step that waited for its predecessor's tokens (`Launched.late`), or start the fill of
         the masks it waits for on the device (`Launched.fill`); the rank calls this once that step is answered,
@@ -301,11 +286,8 @@ class ModelRunner:
         """Wait for a launched plan's sampled ids (only they, and requested logprobs, come back)."""
         plan = launched.plan
         self.complete(launched)
-        if launched.fill is not None and launched.error is None:
-            try:  # the fill thread is done with the matchers before `_consume` advances them
-                launched.grammar = launched.fill.result()
-            except Exception as exc:
-                launched.error = f"{type(exc).__name__}: {exc}"
+        if launched.fill is not None and launched.error is None:  # the fill is done before `_consume`
+            launched.grammar, launched.error = launched.fill.outcome()
         if launched.error is not None:
             return StepResult(plan.step, [], 0.0, launched.error, transfers=self._transfers())
         if launched.spec_out is not None:

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from hkv.engine import model_runner
+from hkv.engine import mask_wait, model_runner
 from hkv.engine.grammar import Matcher, fill_masks, mask_words
 from hkv.engine.logits_process import DeferredMasks, GrammarLoader, LogitsProcessor
 from hkv.engine.mask_wait import MaskWait, PendingFill
@@ -234,7 +234,7 @@ def test_a_launch_that_fails_after_its_wait_releases_it(loader, monkeypatch):
     def broken(logits, rows):
         raise RuntimeError("sampling failed")
 
-    monkeypatch.setattr(model_runner, "sample_async", broken)
+    monkeypatch.setattr(mask_wait, "sample_async", broken)
     nxt = runner.launch(_decode_plan(driver, 2, None))
     assert nxt.error is not None and "sampling failed" in nxt.error and nxt.fill is None
     assert flag.waits == [1] and flag.sets == [1]
