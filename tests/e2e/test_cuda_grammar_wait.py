@@ -1,11 +1,13 @@
-"""HKV_GRAMMAR_DEVICE_WAIT=1 (hkv/engine/mask_wait.py) on a GPU: constrained greedy requests, several at once beside
-plain ones so that decode steps carry grammar rows behind their matchers, give the same tokens with the device-side
-wait as without it, and the ranks log that the wait is on. Not yet run on a GPU (tools/gpu/gpu_structured.sh with
-DEVICE_WAIT=1 runs the benchmark side; this file runs under the GPU scripts' pytest rounds)."""
+"""HKV_GRAMMAR_DEVICE_WAIT=1 (hkv/engine/mask_wait.py) on a GPU: constrained greedy requests give the same tokens with
+the device-side wait as without it (one at a time, so that batching cannot change a float32 argmax: every decode step
+after a request's first has its grammar row behind, the deferred path), the ranks log that the wait is on, and all
+of them at once beside plain ones (several grammar rows a step, filled on the mask threads) keep to their
+constraints. Not yet run on a GPU: tools/gpu/gpu_structured.sh runs it with DEVICE_WAIT=1."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import urllib.request
@@ -23,7 +25,7 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-FLAGS = ["--device", "cuda", "--max-running-requests", "16", "--max-total-tokens", "16384", "--grammar-threads", "2"]
+FLAGS = ["--device", "cuda", "--dtype", "float32", "--max-running-requests", "16", "--max-total-tokens", "16384", "--grammar-threads", "2"]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer"}, "tags": {"type": "array",
                                                                                 "items": {"type": "string"}}},
@@ -52,34 +54,45 @@ def launch_command(tmp_path_factory):
     patch.undo()
 
 
-def _complete(url: str, body: dict) -> list[int]:
+def _complete(url: str, body: dict) -> dict:
     request = {"max_tokens": 48, "temperature": 0, "return_token_ids": True, **body}
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(request).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as answer:
-        choice = json.loads(answer.read())["choices"][0]
-    return choice.get("token_ids") or []
+        return json.loads(answer.read())["choices"][0]
 
 
-def _served_tokens(folder: Path, tmp_path: Path, env: dict) -> tuple[list[list[int]], str]:
+def _keeps_to_its_constraint(body: dict, choice: dict) -> bool:
+    if choice["finish_reason"] != "stop" or "prompt" in body and body["prompt"].startswith("Plain"):
+        return True  # cut at max_tokens (a prefix), or unconstrained
+    if "structured_outputs" in body:
+        return re.fullmatch(body["structured_outputs"]["regex"], choice["text"]) is not None
+    answer = json.loads(choice["text"])
+    return set(answer) == {"name", "age", "tags"} and len(answer["name"]) <= 12 and isinstance(answer["age"], int)
+
+
+def _serve(folder: Path, tmp_path: Path, env: dict) -> tuple[list[list[int]], list[dict], str]:
+    """(each body's token ids, sent one at a time; each body's choice, all sent at once; the server's log)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     server = launch(["--model", str(folder), *FLAGS], tmp_path, env=env)
     pids = server.actor_pids()
     try:
-        with ThreadPoolExecutor(len(BODIES)) as pool:  # at once: decode steps carry several grammar rows
-            tokens = list(pool.map(lambda body: _complete(server.url, body), BODIES))
+        alone = [_complete(server.url, body)["token_ids"] for body in BODIES]
+        with ThreadPoolExecutor(len(BODIES)) as pool:
+            together = list(pool.map(lambda body: _complete(server.url, body), BODIES))
     finally:
         assert server.stop(signal.SIGTERM) == 0, server.log()
     assert_clean(server, pids)
-    return tokens, server.log()
+    return alone, together, server.log()
 
 
 def test_constrained_greedy_tokens_are_the_same_with_the_device_wait(builtin_dir, tmp_path):
     from hkv.models.tiny import ensure_builtin
 
     folder = ensure_builtin("tiny-dense", builtin_dir)
-    want, _ = _served_tokens(folder, tmp_path / "plain", {"HKV_GRAMMAR_DEVICE_WAIT": "0"})
-    got, log = _served_tokens(folder, tmp_path / "wait", {"HKV_GRAMMAR_DEVICE_WAIT": "1"})
+    want, _, _ = _serve(folder, tmp_path / "plain", {"HKV_GRAMMAR_DEVICE_WAIT": "0"})
+    got, together, log = _serve(folder, tmp_path / "wait", {"HKV_GRAMMAR_DEVICE_WAIT": "1"})
     assert "the device waits for them" in log, log[-3000:]
-    assert all(want[:9]), want  # every constrained request answered something
+    assert all(want), want  # every request answered something
     assert got == want
+    assert all(_keeps_to_its_constraint(body, choice) for body, choice in zip(BODIES, together)), together
