@@ -19,7 +19,6 @@ the logits at launch, before the fill that the same thread starts later, and dea
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
@@ -32,8 +31,6 @@ from hkv.engine.sampler import PendingSample, sample_async
 
 if TYPE_CHECKING:
     from hkv.engine.model_runner import LateSample
-
-log = logging.getLogger("hkv.rank")
 
 
 class Flag(Protocol):
