@@ -157,6 +157,8 @@ class SchedulerConfig:
     max_queued_requests: int  # bounded admission queue at the router (429 beyond it)
     prefix_wait_tokens: int = 256  # a waiting prompt waits for another's prefill of a prefix this much longer; 0 = off
     grammar_threads: int = 0  # --grammar-threads: llguidance's mask threads on a rank; 0 = llguidance's default
+    # experimental, $HKV_GRAMMAR_DEVICE_WAIT=1: CUDA ranks fill masks off the main thread, the device waits for them
+    grammar_device_wait: bool = False
 
 
 @dataclass(frozen=True)
@@ -577,6 +579,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             max_queued_requests=4096,
             prefix_wait_tokens=args.prefix_wait_tokens,
             grammar_threads=args.grammar_threads or 0,
+            grammar_device_wait=os.environ.get("HKV_GRAMMAR_DEVICE_WAIT") == "1",  # hkv/engine/mask_wait.py
         ),
         spec=SpecConfig(args.spec_tokens, args.draft_window or 0, os.environ.get("HKV_SPEC_ORACLE") or None),
         server=server,

@@ -360,3 +360,16 @@ def test_fp8_kv_resolves_on_either_device():
 
     assert _resolve_kv_dtype("fp8_e4m3", "cpu") == "float8_e4m3fn" and _resolve_kv_dtype("auto", "cuda") == ""
     assert _resolve_kv_dtype("fp8_e4m3", "cuda") == "float8_e4m3fn"
+
+
+def test_the_grammar_device_wait_comes_from_its_variable_only_when_1(tmp_path, monkeypatch):
+    folder = str(_qwen3_5_folder(tmp_path))
+    for value, on in ((None, False), ("0", False), ("yes", False), ("1", True)):
+        if value is None:
+            monkeypatch.delenv("HKV_GRAMMAR_DEVICE_WAIT", raising=False)
+        else:
+            monkeypatch.setenv("HKV_GRAMMAR_DEVICE_WAIT", value)
+        cfg = parse_cli(["--device", "cpu", "--model", folder])
+        shutil.rmtree(cfg.run_dir)
+        assert cfg.scheduler.grammar_device_wait is on
+        assert HkvConfig.from_json(cfg.to_json()).scheduler.grammar_device_wait is on

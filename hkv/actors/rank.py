@@ -66,6 +66,8 @@ def _build_runner(cfg: HkvConfig, table: request_table.RequestTable,
                          graph_max_bs=0 if drafting else cfg.model.cuda_graph_max_bs,  # drafting: verify graphs
                          checkpoint_interval=cfg.cache.checkpoint_interval)
     runner.processor = LogitsProcessor(model.cfg.vocab_size, runner.device, _grammar_loader(cfg, model.cfg.vocab_size))
+    if on_cuda and not drafting and cfg.scheduler.grammar_device_wait:
+        runner.mask_wait = _mask_wait(runner.device)
     if drafting:
         spec.attach(runner, draft, cfg.spec.spec_tokens, slots + extra, cfg.spec.oracle, cfg.model.cuda_graph_max_bs)
         log.info("speculative decoding: %d MTP drafts a step, draft window %s, %.1f KiB of drafter state a slot",
@@ -186,6 +188,22 @@ def _grammar_loader(cfg: HkvConfig, vocab_size: int) -> GrammarLoader:
     path = os.path.join(cfg.model.path, "tokenizer.json")
     return GrammarLoader(path if os.path.isfile(path) else None, vocab_size, cfg.model.spec.eos_ids,
                          threads=cfg.scheduler.grammar_threads or None)
+
+
+def _mask_wait(device):
+    """HKV_GRAMMAR_DEVICE_WAIT=1 (experimental): device-side waits for grammar masks where the driver can wait on
+    host memory (hkv/engine/mask_wait.py), else None: steps with grammar rows sample late, as without it."""
+    from hkv.engine.host_flag import HostFlag, supported
+    from hkv.engine.mask_wait import MaskWait
+
+    support = supported(device)
+    if not support:
+        log.warning("HKV_GRAMMAR_DEVICE_WAIT is set but device-side waits are unavailable (%s): grammar masks are "
+                    "filled on the rank's main thread", support.reason)
+        return None
+    log.info("grammar masks: filled off the main thread, the device waits for them (%s; experimental)",
+             support.reason)
+    return MaskWait(HostFlag(device))
 
 
 def _share_pools(cfg: HkvConfig, runner: ModelRunner) -> None:
@@ -339,6 +357,8 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         ctx.ready(rank=ctx.rank)
         await run_until_stopped(_step_loop(ctx, inbox, outbox, runner), ctx.stop)
     finally:
+        if runner is not None and runner.mask_wait is not None:
+            runner.mask_wait.close()  # a step in flight waiting for masks must not hold the device (and teardown)
         if runner is not None and runner.pair is not None:
             await asyncio.to_thread(runner.pair.close)  # fails what is queued; waits for a transfer in progress
         await inbox.aclose()

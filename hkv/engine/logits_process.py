@@ -15,7 +15,9 @@ Everything but the mask stays on the device: the output's token counts live in o
 needs the matcher to have seen every token before it: on CUDA the rank plans a step before the
 previous one's tokens are on the host, so a step with a grammar row samples late (`behind`, then
 the runner's `complete`), once those tokens are in: the masks are computed on the host while the
-step's forward runs, uploaded and applied in front of its sampling.
+step's forward runs, uploaded and applied in front of its sampling. With HKV_GRAMMAR_DEVICE_WAIT=1
+(`apply_deferred`, hkv/engine/mask_wait.py) the step queues all of that at once, the upload behind a
+device-side wait, and the masks are filled off the main thread.
 
 A sequence's state is rebuilt from its NewSequence whenever it is (re)admitted: the router sends
 the prompt (with a repetition penalty) and the tokens it generated before a preemption, so a
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,35 @@ class SlotState:
     row: int | None  # its row of the count pools (penalties), None without penalties
     matcher: Matcher | None  # its grammar's place (a constraint), None without one
     behind: int = 0  # tokens sampled for it that the matcher has not consumed yet
+
+
+@dataclass
+class DeferredMasks:
+    """A step's grammar rows whose masks the device waits for (hkv/engine/mask_wait.py): `fill` writes them into
+    `masks`, the pinned buffer the step's queued copy reads once the wait passes."""
+
+    matchers: list[Matcher]  # the rows' matchers, in the order of `masks`' rows
+    masks: torch.Tensor  # [G, words] int32, pinned, owned by the step
+    grammars: GrammarLoader | None
+
+    def fill(self) -> tuple[float, int]:
+        """Write the masks (the matchers must be current); (wall seconds, live matchers filled). A failure ends
+        every row with an EOS-only mask rather than leaving the device to read stale bytes."""
+        started = time.perf_counter()
+        live = sum(not m.done for m in self.matchers)
+        # the buffer was made under the launch's inference mode, which is per thread: writing it in place
+        # (an EOS-only row) needs it on this one too
+        with torch.inference_mode():
+            try:
+                executor = self.grammars.get().executor if live and self.grammars else None
+                fill_masks(self.matchers, self.masks, executor)
+            except Exception as exc:
+                log.error("the constrained sequences of a step end: their masks failed (%s: %s)",
+                          type(exc).__name__, exc)
+                for i, matcher in enumerate(self.matchers):
+                    matcher.failed = True
+                    matcher.fill(self.masks[i])
+        return time.perf_counter() - started, live
 
 
 def _penalised(params: SamplingParams) -> bool:
@@ -187,6 +218,25 @@ class LogitsProcessor:
             self._mask(sub, *masks)
         logits.index_copy_(0, index, sub)
         return mask_s, live
+
+    def apply_deferred(self, logits: torch.Tensor, slots: Sequence[int], rows: list[int],
+                       wait: Callable[[], None]) -> DeferredMasks:
+        """`apply` with the grammar rows' masks left to fill later: bias and penalties are queued, then `wait` (which
+        queues the device-side wait for the masks), then the masks' copy from a fresh pinned buffer and their apply.
+        The rows must include a grammar row; the caller fills the returned masks once their matchers are current."""
+        states = [self.slots[slots[i]] for i in rows]
+        matchers = [(r, s.matcher) for r, s in enumerate(states) if s.matcher is not None]
+        if not matchers:
+            raise ValueError("a deferred mask apply without grammar rows")
+        masks = self._mask_buffer(len(matchers), mask_words(self.vocab_size))
+        index = self._upload(rows, torch.long)
+        sub = logits.index_select(0, index)  # [R, V]
+        self._bias(sub, states)
+        self._penalties(sub, states)
+        wait()
+        self._mask(sub, [r for r, _ in matchers], masks)
+        logits.index_copy_(0, index, sub)
+        return DeferredMasks([m for _, m in matchers], masks, self.grammars)
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A small host list on the device without waiting: from pinned memory, queued behind the step's work (a

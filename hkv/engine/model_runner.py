@@ -31,9 +31,10 @@ from hkv.cache.types import (
 )  # fmt: skip
 from hkv.engine.cuda_graphs import DecodeGraphs, buckets_up_to
 from hkv.engine.logits_process import LogitsProcessor
+from hkv.engine.mask_wait import MaskWait, PendingFill
 from hkv.engine.pair_transfers import PairTransferError
 from hkv.engine.prefill_graphs import PrefillGraphs, StepParts
-from hkv.engine.sampler import PendingSample, SampleRow, sample_async
+from hkv.engine.sampler import PendingSample, SampleRow, sample_async, samples_on_device
 from hkv.engine.startup import StartupReporter
 from hkv.engine.step_inputs import DevicePageTable, StepInputs
 from hkv.ipc.messages import (
@@ -87,6 +88,7 @@ class Launched:
     late: LateSample | None = None  # sampled by `complete`, after the previous step's answer
     matched: dict[int, int] | None = None  # slot -> req_id of its grammar rows: their matchers take the tokens
     grammar: tuple[float, int, float] = (0.0, 0, 0.0)  # mask fill seconds, live rows, late wait seconds
+    fill: PendingFill | None = None  # HKV_GRAMMAR_DEVICE_WAIT: masks its sampling waits for on the device
 
     def done(self) -> bool:
         """The device finished it (its sampled ids are on the host)."""
@@ -124,6 +126,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # prefill chunks by parts (hkv/engine/prefill_graphs.py)
         self.spec = None  # hkv.engine.spec.SpecDecoder when drafting (--spec-tokens), set by its builder
+        # CUDA, HKV_GRAMMAR_DEVICE_WAIT=1 (experimental): steps with grammar rows behind queue their sampling behind a
+        # device-side wait for masks filled off the main thread (hkv/engine/mask_wait.py); set by the rank
+        self.mask_wait: MaskWait | None = None
         self.scratch: tuple[int, int | None] | None = None  # CUDA: the graph rows' scratch page and state slot
         self.peer_pools = None  # decode mode on CUDA: hkv.storage.ipc_pools.PeerPools, for PeerCopy ops
         self.peer_graphs = None  # with CUDA graphs: hkv.engine.peer_copy_graphs.PeerCopyGraphs for those copies
@@ -233,6 +238,10 @@ class ModelRunner:
                 matched = self.processor.matched(slots)
                 late = LateSample(logits, sample_rows, rows, processed, time.perf_counter())
                 if processed and self.processor.behind(slots):  # sampled once the step before is answered
+                    if self.mask_wait is not None and samples_on_device(logits, rows):  # ... on the device
+                        pending, fill = self.mask_wait.sample(self.processor, slots, late, self.last_tokens)
+                        return Launched(plan, slots, pending, started, peer_timings=timings, graph=graph,
+                                        matched=matched, fill=fill)
                     return Launched(plan, slots, None, started, peer_timings=timings, graph=graph, late=late,
                                     matched=matched)
                 pending, grammar = self._sample(slots, late)
@@ -258,8 +267,11 @@ class ModelRunner:
         return pending, (mask_s, live, wait_s if live else 0.0)
 
     def complete(self, launched: "Launched") -> None:
-        """Sample a launched step that waited for its predecessor's tokens (`Launched.late`); the rank calls
-        this once that step is answered, while the forward still runs on the device. No-op otherwise."""
+        """Sample a launched step that waited for its predecessor's tokens (`Launched.late`), or start the fill of
+        the masks it waits for on the device (`Launched.fill`); the rank calls this once that step is answered,
+        while the forward still runs on the device. No-op otherwise."""
+        if launched.fill is not None:
+            self.mask_wait.start(launched.fill)
         late, launched.late = launched.late, None
         if late is None or launched.error is not None:
             return
@@ -274,6 +286,8 @@ class ModelRunner:
         """Wait for a launched plan's sampled ids (only they, and requested logprobs, come back)."""
         plan = launched.plan
         self.complete(launched)
+        if launched.fill is not None and launched.error is None:  # the fill is done before `_consume`
+            launched.grammar, launched.error = launched.fill.outcome()
         if launched.error is not None:
             return StepResult(plan.step, [], 0.0, launched.error, transfers=self._transfers())
         if launched.spec_out is not None:

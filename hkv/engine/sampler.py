@@ -61,10 +61,16 @@ class PendingSample:
         return self._outs
 
 
+def samples_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> bool:
+    """`sample_async` leaves these rows on the device (it reads nothing back at once): CUDA, every row greedy
+    and without logprobs."""
+    return logits.is_cuda and all(r.sampling.temperature <= 0 and r.sampling.logprobs is None for r in rows)
+
+
 def sample_async(logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
     """`sample`, without waiting for the device when every row is greedy and wants no logprobs
     (the decode path): argmax on the device, a non-blocking copy of the ids to the host."""
-    if logits.is_cuda and all(r.sampling.temperature <= 0 and r.sampling.logprobs is None for r in rows):
+    if samples_on_device(logits, rows):
         ids = logits.argmax(dim=-1)
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
         host.copy_(ids, non_blocking=True)

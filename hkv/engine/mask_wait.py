@@ -1,0 +1,128 @@
+"""Grammar masks the device waits for, filled off the rank's main thread (HKV_GRAMMAR_DEVICE_WAIT=1; experimental).
+
+Without it, a CUDA step whose grammar rows are behind samples late (hkv/engine/model_runner.py `complete`): once
+the step before is answered, the main thread fills the masks, and only then queues the mask upload, apply and
+sampling, and can launch the next step: the fill is on the host's per-step path. With it:
+
+    launch N+1:  forward | wait(flag >= k) | copy masks | apply | sample       (queued at once; nothing blocks)
+    answer N:    matchers take N's tokens -> `start`: the fill thread writes N+1's masks, then releases k
+    launch N+2:  queued behind N+1's wait, while the fill runs
+
+Every queued wait is released on every path: the fill's own (its errors end the rows with EOS-only masks), a launch
+that fails after queueing the wait (the runner releases its value), and `close` at the rank's shutdown, which
+releases all (otherwise the device waits forever and the rank hangs in its teardown). Values are released in order
+(host_flag.FlagSequence), so an early release never lets an earlier step read unwritten masks.
+
+Only steps whose every row samples on the device (greedy, no logprobs) wait here: a host-side sample would read
+the logits at launch, before the fill that the same thread starts later, and deadlock. The others sample late.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from hkv.engine.host_flag import FlagSequence
+from hkv.engine.logits_process import DeferredMasks, LogitsProcessor
+from hkv.engine.sampler import PendingSample, sample_async
+
+if TYPE_CHECKING:
+    from hkv.engine.model_runner import LateSample
+
+
+class Flag(Protocol):
+    """What MaskWait needs of a flag (hkv.engine.host_flag.HostFlag on CUDA, a recorder in tests)."""
+
+    def wait(self, value: int) -> None: ...  # queue a device-side wait for `value`
+    def set(self, value: int) -> None: ...  # let waits up to `value` pass
+
+
+class PendingFill:
+    """One launched step's masks: queued on the device behind the wait for `value`, written by the fill thread."""
+
+    def __init__(self, value: int, masks: DeferredMasks, queued: float):
+        self.value = value  # the flag value its wait is for
+        self.masks = masks
+        self.queued = queued  # perf_counter once its forward was queued
+        self.future: Future | None = None  # the fill, once started
+
+    def result(self) -> tuple[float, int, float]:
+        """Wait for the fill; (mask fill seconds, live rows, seconds from the forward being queued to the fill
+        starting): StepResult's grammar figures."""
+        if self.future is None:
+            raise RuntimeError("a deferred mask fill waited for before it was started")
+        return self.future.result()
+
+    def outcome(self) -> tuple[tuple[float, int, float], str | None]:
+        """`result`, or zero figures and the error a fill that raised ends its step with."""
+        try:
+            return self.result(), None
+        except Exception as exc:
+            return (0.0, 0, 0.0), f"{type(exc).__name__}: {exc}"
+
+
+class MaskWait:
+    """The rank's device-side waits for grammar masks, and the one thread that fills them in step order."""
+
+    def __init__(self, flag: Flag):
+        self.flag = flag
+        self.sequence = FlagSequence(flag.set)
+        # one thread: fills run in launch order (a step's fill needs the step before answered), and each uses the
+        # grammar's MaskWorkers with this thread as the caller
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+        self._closed = False
+
+    def take(self) -> int:
+        """The value the next queued wait is for; the caller releases it if it fails before `start`."""
+        return self.sequence.take()
+
+    def sample(self, processor: LogitsProcessor, slots: list[int], late: LateSample, last_tokens: torch.Tensor
+               ) -> tuple[PendingSample, PendingFill]:
+        """The runner's `_sample` for a step whose grammar rows are behind, without waiting for them: everything is
+        queued now, the masks' copy behind a device-side wait that `start` later releases; the ids land in
+        `last_tokens` on the device. A failure releases the wait (it may be queued already) and raises."""
+        value = self.take()
+        try:
+            masks = processor.apply_deferred(late.logits, slots, late.processed, lambda: self.queue_wait(value))
+            pending = sample_async(late.logits, late.rows)
+            processor.sampled(slots, late.processed, pending.ids)
+            last_tokens.index_copy_(0, late.sample_rows, pending.ids)
+        except BaseException:
+            self.release(value)
+            raise
+        return pending, PendingFill(value, masks, late.queued)
+
+    def queue_wait(self, value: int) -> None:
+        self.flag.wait(value)
+
+    def release(self, value: int) -> None:
+        self.sequence.release(value)
+
+    def start(self, fill: PendingFill) -> None:
+        """The step before `fill`'s is answered (its matchers are current): fill its masks in the background,
+        then release its wait. Once per fill; after `close` it only releases."""
+        if fill.future is not None:
+            return
+        if self._closed:
+            self.release(fill.value)
+            fill.future = Future()
+            fill.future.set_result((0.0, 0, 0.0))
+            return
+        fill.future = self._thread.submit(self._run, fill)
+
+    def _run(self, fill: PendingFill) -> tuple[float, int, float]:
+        began = time.perf_counter()
+        try:
+            mask_s, live = fill.masks.fill()
+        finally:
+            self.release(fill.value)  # the masks are written (EOS-only where the fill failed)
+        return mask_s, live, began - fill.queued if live else 0.0
+
+    def close(self) -> None:
+        """Release every queued wait and stop the fill thread without waiting for it (rank shutdown)."""
+        self._closed = True
+        self.sequence.release_all()
+        self._thread.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,89 @@
+"""hkv/engine/host_flag.py: the release order of flag values (CPU), and on a GPU the flag itself: a stream
+waits until another thread sets it, and what runs after the wait sees the bytes written before the flag."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hkv.engine.host_flag import MASK32, FlagSequence, supported
+
+
+def test_values_pass_in_order_even_when_released_out_of_order():
+    stores: list[int] = []
+    seq = FlagSequence(stores.append)
+    values = [seq.take() for _ in range(4)]
+    assert values == [1, 2, 3, 4] and seq.outstanding == 4
+    seq.release(2)  # a launch that failed after queueing its wait: 1's step still waits for its masks
+    assert stores == []
+    seq.release(1)
+    assert stores == [2] and seq.outstanding == 2
+    seq.release(2)  # twice, or a value already passed: nothing moves
+    seq.release(4)
+    assert stores == [2]
+    seq.release(3)
+    assert stores == [2, 4] and seq.outstanding == 0
+
+
+def test_release_all_lets_every_queued_wait_pass_once():
+    stores: list[int] = []
+    seq = FlagSequence(stores.append)
+    for _ in range(3):
+        seq.take()
+    seq.release(1)
+    seq.release_all()
+    seq.release_all()
+    seq.release(3)  # a fill that ends after the shutdown's release
+    assert stores == [1, 3] and seq.outstanding == 0
+    assert seq.take() == 4  # later values go on from there
+    seq.release(99)  # never handed out: ignored
+    assert stores == [1, 3]
+
+
+def test_supported_says_why_not_off_cuda():
+    support = supported("cpu")
+    assert not support and "not a CUDA device" in support.reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_stream_waits_for_a_flag_another_thread_sets_and_sees_what_was_written_before_it():
+    from hkv.engine.host_flag import HostFlag
+
+    device = torch.device("cuda")
+    support = supported(device)
+    assert support, support.reason
+    flag = HostFlag(device)
+    assert flag.value == 0
+    host = torch.zeros(1024, dtype=torch.int32, pin_memory=True)
+    stream = torch.cuda.Stream(device)
+    done = torch.cuda.Event()
+    with torch.cuda.stream(stream):
+        flag.wait(1, stream)
+        got = host.to(device, non_blocking=True) * 2  # the copy engine reads host memory after the wait
+        done.record(stream)
+
+    def writer() -> None:
+        time.sleep(0.05)
+        host.copy_(torch.arange(1024, dtype=torch.int32))
+        flag.set(1)
+
+    started = time.perf_counter()
+    thread = threading.Thread(target=writer)
+    thread.start()
+    time.sleep(0.01)
+    assert not done.query()  # still waiting for the flag
+    done.synchronize()
+    waited = time.perf_counter() - started
+    thread.join()
+    assert waited >= 0.045, waited
+    assert torch.equal(got.cpu(), torch.arange(1024, dtype=torch.int32) * 2)
+    # the comparison is cyclic: a value past 2**32 wraps and still passes earlier waits
+    flag.set(MASK32)
+    flag.wait(MASK32 - 5, stream)
+    flag.set(MASK32 + 3)
+    flag.wait(MASK32 + 2, stream)
+    stream.synchronize()
