@@ -5,12 +5,13 @@
 #   run: bash tools/gpu/gpu_structured.sh   (carry .whl: fla-core, llguidance and the serving wheels; .bench: the
 #        tokenizer, written by `python -m tools.bench.bench_grammar --train-vocab 151000` or any tokenizer.json)
 # A second constrained round on the same server uses the schema without maxLength (--schema unbounded); both print
-# the ranks' mask figures (mean fill ms and live rows a step with grammar rows, late wait ms). A warm restart
-# (issue 38's second-start time) then runs the bounded schema again with --grammar-threads 1, 2 and 8, one restart
-# each (THREADS="1 2 8"; RESTART=0 skips them). DEVICE_WAIT=1 adds a restart with HKV_GRAMMAR_DEVICE_WAIT=1 (masks
-# filled off the rank's main thread, the device waits for them: hkv/engine/mask_wait.py, experimental) and the
-# bounded schema again, on the default threads, after its GPU tests: $OUT/structured_device_wait.json.
-# Results: $OUT/structured.json, $OUT/structured_unbounded.json and $OUT/gpu_structured.log.
+# the ranks' mask figures (mean fill ms and live rows a step with grammar rows, late wait ms). DEVICE_WAIT=1 then
+# runs the device wait's GPU tests and restarts with HKV_GRAMMAR_DEVICE_WAIT=1 (masks filled off the rank's main
+# thread, the device waits for them: hkv/engine/mask_wait.py, experimental) for the bounded schema again, on the
+# default threads: $OUT/structured_device_wait.json. Warm restarts (the first is issue 38's second-start time)
+# then run the bounded schema with --grammar-threads 1, 2 and 8, one restart each (THREADS="1 2 8"; RESTART=0
+# skips them; their lines are in the log). About 7 minutes with DEVICE_WAIT=1 on a fresh machine.
+# Results: $OUT/structured.json, $OUT/structured_unbounded.json, $OUT/startup_*.log and $OUT/gpu_structured.log.
 set -uo pipefail
 source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 MODEL=${STRUCTURED_MODEL:-/tmp/bench_model_151k}
@@ -38,6 +39,24 @@ start s_structured --max-running-requests 64 && {
   grep -h "structured output\|grammar\|without drafts" /tmp/s_structured.err | head -5 | tee -a "$LOG"
   stop
   grep -h "done in\|ready in" /tmp/s_structured.err /tmp/s_structured.out | tee "$OUT/startup_first.log" >/dev/null
+  if [[ ${DEVICE_WAIT:-0} == 1 ]]; then  # before the thread restarts: what the next call most needs
+    say "the device wait's GPU tests: the flag primitive, and the same greedy tokens with and without it"
+    timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=120 tests/engine/test_host_flag.py \
+      tests/e2e/test_cuda_grammar_wait.py 2>&1 | tail -15 | tee -a "$LOG"
+    say "start again with HKV_GRAMMAR_DEVICE_WAIT=1: the bounded schema, masks filled off the rank's main thread"
+    export HKV_GRAMMAR_DEVICE_WAIT=1  # the launcher's config reads it; the ranks get it in their config
+    start s_structured --max-running-requests 64 && {
+      # the rank says whether the wait is on, or why the driver cannot wait (then this round is the late path again)
+      grep -h "HKV_GRAMMAR_DEVICE_WAIT\|the device waits for them" /tmp/s_structured.err | head -3 | tee -a "$LOG"
+      timeout 400 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
+        --json "$OUT/structured_device_wait.json" 2>&1 | tee -a "$LOG"
+      say "mask figures with the device wait (wait seconds: from a step's forward queued to its fill starting)"
+      curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_(grammar_|steps_total|step_seconds_total)" \
+        | tee -a "$LOG"
+      stop
+    }
+    unset HKV_GRAMMAR_DEVICE_WAIT
+  fi
   # restarts with other mask thread counts (THREADS, default "1 2 8", beside the default 4 of a 16-CPU box);
   # the first is issue 38's second-start time
   for threads in $([[ ${RESTART:-1} == 0 ]] || echo "${THREADS:-1 2 8}"); do
@@ -46,26 +65,9 @@ start s_structured --max-running-requests 64 && {
       [[ -f $OUT/startup_second.log ]] || grep -h "done in\|ready in" /tmp/s_structured.err /tmp/s_structured.out \
         | tee "$OUT/startup_second.log" >/dev/null
       timeout 200 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
-        --json "$OUT/structured_${threads}threads.json" 2>&1 | grep -E "step|masks" | tee -a "$LOG"
+        --json "/tmp/structured_${threads}threads.json" 2>&1 | grep -E "step|masks" | tee -a "$LOG"
       stop
     }
   done
-  [[ ${DEVICE_WAIT:-0} == 1 ]] || exit 0
-  say "the device wait's GPU tests: the flag primitive, and the same greedy tokens with and without it"
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=380 tests/engine/test_host_flag.py \
-    tests/e2e/test_cuda_grammar_wait.py 2>&1 | tail -15 | tee -a "$LOG"
-  say "start again with HKV_GRAMMAR_DEVICE_WAIT=1: the bounded schema, masks filled off the rank's main thread"
-  export HKV_GRAMMAR_DEVICE_WAIT=1  # the launcher's config reads it; the ranks get it in their config
-  start s_structured --max-running-requests 64 && {
-    # the rank says whether the wait is on, or why the driver cannot wait (then this round is the late path again)
-    grep -h "HKV_GRAMMAR_DEVICE_WAIT\|the device waits for them" /tmp/s_structured.err | head -3 | tee -a "$LOG"
-    timeout 400 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
-      --json "$OUT/structured_device_wait.json" 2>&1 | tee -a "$LOG"
-    say "mask figures with the device wait (wait seconds: from a step's forward queued to its fill starting)"
-    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_(grammar_|steps_total|step_seconds_total)" \
-      | tee -a "$LOG"
-    stop
-  }
-  unset HKV_GRAMMAR_DEVICE_WAIT
 }
 exit 0
