@@ -10,7 +10,8 @@
 #       CUDA host path alone (graph replay, sampling, the step link, router, api), what c = 1 is bound by.
 # served: the MoE benchmark model (tools/bench/make_bench_model.py --moe), 0.4 of the GPU for each server.
 # ROUNDS (default 4) rounds of hkv-bench at c = 1 per tree, base first in odd rounds, this tree first in even ones.
-# Results: $OUT/c1ab_<part>_<tree>_<round>.json, the summary and machine state in $OUT/gpu_c1ab.log.
+# Results: the per-round figures, the summary and the machine state in $OUT/gpu_c1ab.log (each round's JSON in
+# /tmp/c1ab on the machine).
 set -uo pipefail
 source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 parts=${1:-host,served}
@@ -19,6 +20,8 @@ BASE=${BASE_TREE:-}
 MODEL=${MOE_MODEL:-/tmp/moe_model}
 LOG="$OUT/gpu_c1ab.log"
 ROUNDS=${ROUNDS:-4}
+RUNS=/tmp/c1ab  # the per-round JSON stays here: a device call returns at most 8 files
+mkdir -p "$RUNS"
 FREE=$PWD/tools/bench/free_forward
 SERVER_PID=
 declare -A PIDS=()
@@ -55,12 +58,12 @@ rounds() {  # rounds PART: ROUNDS x (base, head) of hkv-bench at c = 1, alternat
     for tree in $order; do
       port=8101; [[ $tree == head ]] && port=8102
       timeout 300 python3 -m tools.hkv_bench --url "http://127.0.0.1:$port" --no-progress \
-        --json "$OUT/c1ab_${part}_${tree}_$r.json" --workload random --input-len 512 --range-ratio 1 \
+        --json "$RUNS/c1ab_${part}_${tree}_$r.json" --workload random --input-len 512 --range-ratio 1 \
         --output-len 128 --num-prompts 8 --concurrency 1 --warmup 2 2>&1 | grep -E "ITL|TTFT|step /" \
         | sed "s/^/[$part $tree $r] /" | tee -a "$LOG"
     done
   done
-  python3 - "$OUT" "$part" <<'PY' 2>&1 | tee -a "$LOG"
+  python3 - "$RUNS" "$part" <<'PY' 2>&1 | tee -a "$LOG"
 import glob, json, statistics, sys
 out, part = sys.argv[1], sys.argv[2]
 for tree in ("base", "head"):
