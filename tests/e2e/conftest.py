@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from hkv.models.tiny import ensure_builtin
+from tests.e2e import harness
 from tests.e2e.harness import assert_clean, launch
 from tests.reference import copy_tokenizer
 
@@ -28,6 +30,22 @@ def monkeypatch_session():
     mp = pytest.MonkeyPatch()
     yield mp
     mp.undo()
+
+
+@pytest.fixture(scope="module")
+def launch_command(tmp_path_factory):
+    """hkv-launch beside the interpreter, or a shim where hkv runs from PYTHONPATH uninstalled (the GPU scripts);
+    a module that may run there uses it autouse: `pytestmark = [pytest.mark.usefixtures("launch_command"), ...]`."""
+    if Path(harness.LAUNCH).exists():
+        yield harness.LAUNCH
+        return
+    shim = tmp_path_factory.mktemp("bin") / "hkv-launch"
+    shim.write_text(f"#!{sys.executable}\nfrom hkv.launcher import main\n\nmain()\n")
+    shim.chmod(0o755)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(harness, "LAUNCH", str(shim))
+    yield str(shim)
+    patch.undo()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e import harness
 from tests.e2e.harness import assert_clean, launch
 
 pytestmark = [
+    pytest.mark.usefixtures("launch_command"),
     pytest.mark.gpu,
     pytest.mark.e2e,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -38,20 +37,6 @@ BODIES = [
     *({"prompt": f"Plain {i}:"} for i in range(3)),
 ]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def launch_command(tmp_path_factory):
-    """hkv-launch beside the interpreter, or a shim where hkv runs from PYTHONPATH uninstalled (the GPU script)."""
-    if Path(harness.LAUNCH).exists():
-        yield harness.LAUNCH
-        return
-    shim = tmp_path_factory.mktemp("bin") / "hkv-launch"
-    shim.write_text(f"#!{sys.executable}\nfrom hkv.launcher import main\n\nmain()\n")
-    shim.chmod(0o755)
-    patch = pytest.MonkeyPatch()
-    patch.setattr(harness, "LAUNCH", str(shim))
-    yield str(shim)
-    patch.undo()
 
 
 def _complete(url: str, body: dict) -> dict:

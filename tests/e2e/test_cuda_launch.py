@@ -27,20 +27,19 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e import harness
 from tests.e2e.harness import assert_clean, launch
 from tests.models.test_qwen3_5 import perturb
 from tests.models.torch_reference import reference_logits
 from tests.reference import MARGIN, copy_tokenizer
 
 pytestmark = [
+    pytest.mark.usefixtures("launch_command"),
     pytest.mark.gpu,
     pytest.mark.e2e,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -69,20 +68,6 @@ FLAGS = ["--device", "cuda", "--chunked-prefill-size", "256", "--max-total-token
 BF16_FIRST_TOL = 0.05
 BF16_ALL_TOL = 0.15
 
-
-@pytest.fixture(scope="module", autouse=True)
-def launch_command(tmp_path_factory):
-    """hkv-launch beside the interpreter, or a shim where hkv runs from PYTHONPATH uninstalled (the GPU script)."""
-    if Path(harness.LAUNCH).exists():
-        yield harness.LAUNCH
-        return
-    shim = tmp_path_factory.mktemp("bin") / "hkv-launch"
-    shim.write_text(f"#!{sys.executable}\nfrom hkv.launcher import main\n\nmain()\n")
-    shim.chmod(0o755)
-    patch = pytest.MonkeyPatch()
-    patch.setattr(harness, "LAUNCH", str(shim))
-    yield str(shim)
-    patch.undo()
 
 
 @pytest.fixture(scope="module")
