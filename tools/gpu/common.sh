@@ -1,7 +1,7 @@
 # Sourced by the tools/gpu/*.sh device scripts, from the repository root: the environment of a device call
 # (OUT, the carried wheels, this tree first on PYTHONPATH), and start/stop of one hkv-launch server
 # (which needs MODEL, PORT and LOG; DEVICE defaults to cuda, START_WAIT (half-seconds) to 600), and the helpers
-# wants, say and served_sweep.
+# wants, say, bench_model and served_sweep.
 
 OUT=${OUT:-.out}  # the device tool's folder of files that come back (./.out by hand)
 mkdir -p "$OUT"
@@ -14,6 +14,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 wants() { [[ ,$parts, == *,$1,* ]]; }  # wants PART: the script's $parts (comma-separated) names it
 say() { echo "== $(date +%T) $*" | tee -a "$LOG"; }  # a timestamped line, also into $LOG
+
+bench_model() {  # bench_model DIR WHAT [make_bench_model flags...]: write a benchmark model into DIR unless there
+  local dir=$1 what=$2; shift 2
+  [[ -d $dir ]] && return 0
+  say "writing $what"
+  timeout 400 python3 -m tools.bench.make_bench_model "$dir" "$@" --no-progress 2>&1 | tail -2 | tee -a "$LOG"
+}
 
 served_sweep() {  # served_sweep NAME [flags of the c = 32 run]: hkv-bench at concurrency 1, 32 and 64 against the
   # server on $PORT (random 512 + 128 tokens; 4 prompts at c = 1, 2c else) into $OUT/NAME_c<c>.json; sets `results`

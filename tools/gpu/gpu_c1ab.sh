@@ -82,10 +82,7 @@ if wants host; then
   stop_both
 fi
 if wants served; then
-  if [[ ! -d $MODEL ]]; then
-    say "writing the MoE benchmark model (4 layers of Qwen3-Next-80B's shapes)"
-    timeout 300 python3 -m tools.bench.make_bench_model "$MODEL" --moe --no-progress 2>&1 | tail -2 | tee -a "$LOG"
-  fi
+  bench_model "$MODEL" "the MoE benchmark model (4 layers of Qwen3-Next-80B's shapes)" --moe
   say "served: the MoE benchmark model, bf16, 64 running, 0.4 of the GPU each, both trees up"
   both s_c1moe "$MODEL" --max-running-requests 64 --gpu-memory-fraction 0.4 && rounds served
   stop_both

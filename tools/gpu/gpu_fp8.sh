@@ -31,8 +31,7 @@ if wants served; then
   for variant in bf16 fp8; do
     MODEL=/tmp/bench_model_$variant
     flags=(); [[ $variant == fp8 ]] && flags=(--fp8)
-    [[ -d $MODEL ]] || { say "writing the 1.99 B benchmark model ($variant)"
-      timeout 240 python3 -m tools.bench.make_bench_model "$MODEL" "${flags[@]}" --no-progress 2>&1 | tail -1 | tee -a "$LOG"; }
+    bench_model "$MODEL" "the 1.99 B benchmark model ($variant)" "${flags[@]}"
     say "server: the 1.99 B benchmark model in $variant, concurrency 1 (TPOT = the decode step)"
     start "s_$variant" --max-running-requests 8 --cuda-graph-max-bs 8 && {
       timeout 200 python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --vocab 151936 --no-progress \
@@ -61,8 +60,7 @@ PY
 fi
 if wants parity; then
   MOE=/tmp/moe_model_fp8
-  [[ -d $MOE ]] || { say "writing the MoE benchmark model in FP8 (4 layers of Qwen3-Next-80B's shapes)"
-    timeout 300 python3 -m tools.bench.make_bench_model "$MOE" --moe --fp8 --no-progress 2>&1 | tail -1 | tee -a "$LOG"; }
+  bench_model "$MOE" "the MoE benchmark model in FP8 (4 layers of Qwen3-Next-80B's shapes)" --moe --fp8
   say "FP8 serving against the dequantized fp32 reference (small dense, then the MoE benchmark model: acceptance 4)"
   HKV_FP8_MOE_MODEL=$MOE timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=400 \
     tests/e2e/test_cuda_fp8.py 2>&1 | grep -v "weights:" | tail -12 | tee -a "$LOG"

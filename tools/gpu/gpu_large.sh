@@ -29,11 +29,7 @@ for row in json.load(open(sys.argv[1]))["rows"]:
 PY
 fi
 if wants served; then
-  if [[ ! -d $MODEL ]]; then
-    say "writing the qwen3.5-27b preset model (17.3 GB)"
-    timeout 400 python3 -m tools.bench.make_bench_model "$MODEL" --preset qwen3.5-27b --no-progress 2>&1 | tail -2 \
-      | tee -a "$LOG"
-  fi
+  bench_model "$MODEL" "the qwen3.5-27b preset model (17.3 GB)" --preset qwen3.5-27b
   say "server: the qwen3.5-27b preset, bf16, 64 running"
   start s_large --max-running-requests 64 --gpu-memory-fraction "${GPU_FRACTION:-0.8}" && {
     served_sweep large

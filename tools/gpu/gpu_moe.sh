@@ -54,10 +54,7 @@ EOF
 fi
 
 if wants served; then
-  if [[ ! -d $MODEL ]]; then
-    say "writing the MoE benchmark model (4 layers of Qwen3-Next-80B's shapes)"
-    timeout 300 python3 -m tools.bench.make_bench_model "$MODEL" --moe --no-progress 2>&1 | tail -2 | tee -a "$LOG"
-  fi
+  bench_model "$MODEL" "the MoE benchmark model (4 layers of Qwen3-Next-80B's shapes)" --moe
   say "server: the MoE benchmark model, bf16, 64 running, 0.8 of the GPU (HF's baseline shares it)"
   start s_moe --max-running-requests 64 --gpu-memory-fraction "${GPU_FRACTION:-0.8}" && {
     served_sweep moe --baseline hf --model-path "$MODEL" --baseline-num-prompts 32  # HF generate at c = 32

@@ -21,11 +21,7 @@ PORT=8100
 SERVER_PID=
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
-if [[ ! -d $MODEL ]]; then
-  say "writing the 1.99 B benchmark model with $TOKENIZER"
-  timeout 300 python3 -m tools.bench.make_bench_model "$MODEL" --tokenizer "$TOKENIZER" --no-progress 2>&1 | tail -2 \
-    | tee -a "$LOG"
-fi
+bench_model "$MODEL" "the 1.99 B benchmark model with $TOKENIZER" --tokenizer "$TOKENIZER"
 say "server: the benchmark model, bf16, 64 running"
 start s_structured --max-running-requests 64 && {
   timeout 400 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
