@@ -32,10 +32,9 @@ def monkeypatch_session():
     mp.undo()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def launch_command(tmp_path_factory):
-    """hkv-launch beside the interpreter, or a shim where hkv runs from PYTHONPATH uninstalled (the GPU scripts);
-    a module that may run there uses it autouse: `pytestmark = [pytest.mark.usefixtures("launch_command"), ...]`."""
+    """hkv-launch beside the interpreter, or a shim where hkv runs from PYTHONPATH uninstalled (the GPU scripts)."""
     if Path(harness.LAUNCH).exists():
         yield harness.LAUNCH
         return

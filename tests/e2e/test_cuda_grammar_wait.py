@@ -19,7 +19,6 @@ import torch
 from tests.e2e.harness import assert_clean, launch
 
 pytestmark = [
-    pytest.mark.usefixtures("launch_command"),
     pytest.mark.gpu,
     pytest.mark.e2e,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

@@ -39,7 +39,6 @@ from tests.models.torch_reference import reference_logits
 from tests.reference import MARGIN, copy_tokenizer
 
 pytestmark = [
-    pytest.mark.usefixtures("launch_command"),
     pytest.mark.gpu,
     pytest.mark.e2e,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

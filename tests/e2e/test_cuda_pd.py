@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.e2e.harness import launch
-from tests.e2e.test_cuda_launch import _serve, _teacher_forced, checkpoint, launch_command  # noqa: F401 (fixtures)
+from tests.e2e.test_cuda_launch import _serve, _teacher_forced, checkpoint  # noqa: F401 (fixtures)
 from tests.e2e.test_pd import _launch_all, stop_all
 from tests.reference import MARGIN
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.e2e.harness import launch
-from tests.e2e.test_cuda_launch import _serve, checkpoint, launch_command  # noqa: F401 (fixtures)
+from tests.e2e.test_cuda_launch import _serve, checkpoint  # noqa: F401 (fixtures)
 from tests.e2e.test_cuda_pd import FLAGS, OUT, PAGE, PROMPT_LENS, _assert_transformers
 from tests.e2e.test_pd import _launch_all, stop_all
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.e2e.harness import launch
-from tests.e2e.test_cuda_launch import checkpoint, launch_command  # noqa: F401 (fixtures)
+from tests.e2e.test_cuda_launch import checkpoint  # noqa: F401 (fixtures)
 from tests.e2e.test_cuda_pd import FLAGS, PAGE, _received_pages
 from tests.e2e.test_pd import _launch_all, _post_all, stop_all
 from tests.e2e.test_pd_fp8 import REFUSAL

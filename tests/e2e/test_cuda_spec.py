@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.e2e.harness import assert_clean, launch
-from tests.e2e.test_cuda_launch import FLAGS, _prompts, _serve, checkpoint, launch_command  # noqa: F401 (fixtures)
+from tests.e2e.test_cuda_launch import FLAGS, _prompts, _serve, checkpoint  # noqa: F401 (fixtures)
 from tests.e2e.test_spec_decoding import _metric, add_mtp_weights
 from tests.models.torch_reference import reference_logits
 from tests.reference import MARGIN

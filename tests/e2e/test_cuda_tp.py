@@ -16,7 +16,6 @@ import torch
 
 from hkv.models.tiny import builtin_folder
 from tests.e2e.harness import assert_clean, launch
-from tests.e2e.test_cuda_launch import launch_command  # noqa: F401 (autouse: hkv-launch under the GPU script)
 from tests.e2e.test_hybrid import _prompts
 from tests.e2e.test_prefix_cache import _body
 from tests.e2e.test_tp import _check_greedy_and_hits, _rank_pid, _stream_until_killed

@@ -11,7 +11,6 @@ import torch
 
 from hkv.models.tiny import ensure_builtin
 from tests.e2e.harness import assert_clean, launch
-from tests.e2e.test_cuda_launch import launch_command  # noqa: F401  (fixture: hkv-launch without an install)
 from tests.e2e.test_prefix_cache import _body, _complete
 from tests.e2e.test_tiers import OTHERS, PROMPT_A, PROMPT_A30
 from tests.models.torch_reference import reference_logits
