@@ -11,7 +11,6 @@ only the pages the decode device lacks.
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.request
 
@@ -20,7 +19,7 @@ import torch
 
 from tests.e2e.harness import launch
 from tests.e2e.test_cuda_launch import _serve, _teacher_forced, checkpoint  # noqa: F401 (fixtures)
-from tests.e2e.test_pd import _launch_all, stop_all
+from tests.e2e.test_pd import _launch_all, _secret, stop_all
 from tests.reference import MARGIN
 
 pytestmark = [
@@ -39,9 +38,7 @@ FLAGS = ["--device", "cuda", "--dtype", "float32", "--chunked-prefill-size", "25
 @pytest.fixture(scope="module")
 def pd(checkpoint, tmp_path_factory, launch_command):  # noqa: F811 (pytest fixtures)
     folder = tmp_path_factory.mktemp("cuda-pd")
-    secret = folder / "pd.secret"
-    secret.write_bytes(os.urandom(32).hex().encode())
-    secret.chmod(0o600)
+    secret = _secret(folder)
     common = ["--model", str(checkpoint), "--secret-file", str(secret), *FLAGS]
     prefill, decode = _launch_all([([*common, "--mode", "prefill"], None, None),
                                    ([*common, "--mode", "decode"], None, None)], folder)

@@ -13,7 +13,6 @@ without two GPUs (the device tool lends nvidia-h200-x2 only at times).
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import urllib.request
@@ -24,7 +23,7 @@ import torch
 from tests.e2e.harness import launch
 from tests.e2e.test_cuda_launch import _serve, checkpoint  # noqa: F401 (fixtures)
 from tests.e2e.test_cuda_pd import FLAGS, OUT, PAGE, PROMPT_LENS, _assert_transformers
-from tests.e2e.test_pd import _launch_all, stop_all
+from tests.e2e.test_pd import _launch_all, _secret, stop_all
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,9 +42,7 @@ def _metric(url: str, name: str, labels: str = "") -> float:
 @pytest.fixture(scope="module")
 def pd2(checkpoint, tmp_path_factory, launch_command):  # noqa: F811 (pytest fixtures)
     folder = tmp_path_factory.mktemp("cuda-pd2")
-    secret = folder / "pd.secret"
-    secret.write_bytes(os.urandom(32).hex().encode())
-    secret.chmod(0o600)
+    secret = _secret(folder)
     common = ["--model", str(checkpoint), "--secret-file", str(secret), *FLAGS]
     prefill, decode = _launch_all([([*common, "--mode", "prefill"], {"CUDA_VISIBLE_DEVICES": "0"}, None),
                                    ([*common, "--mode", "decode"], {"CUDA_VISIBLE_DEVICES": "1"}, None)], folder)

@@ -10,7 +10,6 @@ naming both KV dtypes (tests/e2e/test_pd_fp8.py checks the same on CPU for the p
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
 
@@ -20,7 +19,7 @@ import torch
 from tests.e2e.harness import launch
 from tests.e2e.test_cuda_launch import checkpoint  # noqa: F401 (fixtures)
 from tests.e2e.test_cuda_pd import FLAGS, PAGE, _received_pages
-from tests.e2e.test_pd import _launch_all, _post_all, stop_all
+from tests.e2e.test_pd import _launch_all, _post_all, _secret, stop_all
 from tests.e2e.test_pd_fp8 import REFUSAL
 
 pytestmark = [
@@ -40,9 +39,7 @@ def _body(prompt: list[int]) -> dict:
 @pytest.fixture(scope="module")
 def servers(checkpoint, tmp_path_factory, launch_command):  # noqa: F811 (pytest fixtures)
     folder = tmp_path_factory.mktemp("cuda-pd-fp8")
-    secret = folder / "pd.secret"
-    secret.write_bytes(os.urandom(32).hex().encode())
-    secret.chmod(0o600)
+    secret = _secret(folder)
     share = FLAGS.index("--gpu-memory-fraction") + 1
     flags = [*FLAGS[:share], "0.2", *FLAGS[share + 1:]]  # four instances on the GPU
     common = ["--model", str(checkpoint), "--secret-file", str(secret), *flags]
