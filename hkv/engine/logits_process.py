@@ -65,13 +65,12 @@ class DeferredMasks:
         """Write the masks (the matchers must be current); (wall seconds, live matchers filled). A failure ends
         every row with an EOS-only mask rather than leaving the device to read stale bytes."""
         started = time.perf_counter()
-        live = sum(not m.done for m in self.matchers)
+        live = sum(not m.done for m in self.matchers)  # counted before: a fill that fails still reports them
         # the buffer was made under the launch's inference mode, which is per thread: writing it in place
         # (an EOS-only row) needs it on this one too
         with torch.inference_mode():
             try:
-                executor = self.grammars.get().executor if live and self.grammars else None
-                fill_masks(self.matchers, self.masks, executor)
+                _fill_rows(self.matchers, self.masks, self.grammars)
             except Exception as exc:
                 log.error("the constrained sequences of a step end: their masks failed (%s: %s)",
                           type(exc).__name__, exc)
@@ -79,6 +78,14 @@ class DeferredMasks:
                     matcher.failed = True
                     matcher.fill(self.masks[i])
         return time.perf_counter() - started, live
+
+
+def _fill_rows(matchers: list[Matcher], masks: torch.Tensor, grammars: GrammarLoader | None) -> int:
+    """Row i of `masks` = matchers[i]'s next mask (llguidance's work on the grammar's mask threads, needed only
+    when a matcher is live); returns the live matchers filled."""
+    live = sum(not m.done for m in matchers)
+    fill_masks(matchers, masks, grammars.get().executor if live and grammars else None)
+    return live
 
 
 def _penalised(params: SamplingParams) -> bool:
@@ -210,13 +217,7 @@ class LogitsProcessor:
         started = time.perf_counter()
         masks, live = self._fill_masks(states)  # the host's share first: it overlaps the forward the device runs
         mask_s = time.perf_counter() - started if masks is not None else 0.0
-        index = self._upload(rows, torch.long)
-        sub = logits.index_select(0, index)  # [R, V]
-        self._bias(sub, states)
-        self._penalties(sub, states)
-        if masks is not None:
-            self._mask(sub, *masks)
-        logits.index_copy_(0, index, sub)
+        self._process(logits, rows, states, masks)
         return mask_s, live
 
     def apply_deferred(self, logits: torch.Tensor, slots: Sequence[int], rows: list[int],
@@ -229,14 +230,22 @@ class LogitsProcessor:
         if not matchers:
             raise ValueError("a deferred mask apply without grammar rows")
         masks = self._mask_buffer(len(matchers), mask_words(self.vocab_size))
+        self._process(logits, rows, states, ([r for r, _ in matchers], masks), before_mask=wait)
+        return DeferredMasks([m for _, m in matchers], masks, self.grammars)
+
+    def _process(self, logits: torch.Tensor, rows: list[int], states: list[SlotState],
+                 masks: tuple[list[int], torch.Tensor] | None, before_mask: Callable[[], None] | None = None) -> None:
+        """Bias, penalties and (with `masks`: the grammar rows among `states` and their [G, words] host masks)
+        the masks' apply, queued on `logits` at `rows`; `before_mask` is queued first when there are masks."""
         index = self._upload(rows, torch.long)
         sub = logits.index_select(0, index)  # [R, V]
         self._bias(sub, states)
         self._penalties(sub, states)
-        wait()
-        self._mask(sub, [r for r, _ in matchers], masks)
+        if masks is not None:
+            if before_mask is not None:
+                before_mask()
+            self._mask(sub, *masks)
         logits.index_copy_(0, index, sub)
-        return DeferredMasks([m for _, m in matchers], masks, self.grammars)
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A small host list on the device without waiting: from pinned memory, queued behind the step's work (a
@@ -280,9 +289,7 @@ class LogitsProcessor:
         if not picked:
             return None, 0
         masks = self._mask_buffer(len(picked), mask_words(self.vocab_size))
-        matchers = [m for _, m in picked]
-        live = sum(not m.done for m in matchers)
-        fill_masks(matchers, masks, self.grammars.get().executor if live else None)
+        live = _fill_rows([m for _, m in picked], masks, self.grammars)
         return ([r for r, _ in picked], masks), live
 
     def _mask(self, sub: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
