@@ -156,7 +156,7 @@ class SchedulerConfig:
     chunked_prefill_size: int  # prompt tokens per step across all sequences
     max_queued_requests: int  # bounded admission queue at the router (429 beyond it)
     prefix_wait_tokens: int = 256  # a waiting prompt waits for another's prefill of a prefix this much longer; 0 = off
-    grammar_threads: int = 0  # --grammar-threads: llguidance's mask threads on a rank; 0 = llguidance's default
+    grammar_threads: int = 0  # --grammar-threads: a rank's mask threads; 0 = grammar.default_mask_threads()
     # experimental, $HKV_GRAMMAR_DEVICE_WAIT=1: CUDA ranks fill masks off the main thread, the device waits for them
     grammar_device_wait: bool = False
 
@@ -434,7 +434,7 @@ def _resolve_device(requested: str | None) -> str:
 _KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # bytes of one KV element
 
 
-def _resolve_kv_dtype(requested: str, device: str) -> str:
+def _resolve_kv_dtype(requested: str) -> str:
     """--kv-cache-dtype resolved to ModelConfig.kv_dtype: "" (the model dtype) or float8_e4m3fn."""
     return "float8_e4m3fn" if requested == "fp8_e4m3" else ""
 
@@ -563,7 +563,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     name = args.name or f"hkv{args.port}"
     on_cpu = device == "cpu"
     max_running = args.max_running_requests or (32 if on_cpu else 256)
-    kv_dtype = _resolve_kv_dtype(args.kv_cache_dtype, device)
+    kv_dtype = _resolve_kv_dtype(args.kv_cache_dtype)
     cache = _cache_config(args, spec, max_running, on_cpu, kv_dtype or dtype)
     server = _server_config(args, name, spec)
     compile_cache_dir = _compile_cache_dir(args.compile_cache_dir)

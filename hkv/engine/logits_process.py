@@ -99,7 +99,7 @@ class GrammarLoader:
     def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_ids: Sequence[int],
                  threads: int | None = None):
         self.eos_ids = sorted(eos_ids)
-        self._threads = threads  # llguidance's mask threads (--grammar-threads); None: its default
+        self._threads = threads  # the mask threads (--grammar-threads); None: grammar.default_mask_threads()
         self._grammars: Grammars | None = None
         self._error: str | None = None
         self._thread: threading.Thread | None = None
