@@ -25,6 +25,7 @@ import torch
 
 from hkv.engine.grammar import Grammars, MaskWorkers, fill_masks
 from hkv.ipc.messages import Constraint
+from tools.bench.bench_grammar import allowed_ids
 from tools.bench.bench_structured import schema_of
 
 
@@ -46,14 +47,12 @@ def record_walks(grammars: Grammars, constraint: Constraint, rows: int, steps: i
     while anything else is allowed)."""
     rng = random.Random(seed)
     mask = torch.empty(1, grammars.words, dtype=torch.int32)
-    shifts = torch.arange(32, dtype=torch.int32)
     walks = []
     for _ in range(rows):
         matcher, tokens = grammars.matcher(constraint), []
         for _ in range(steps):
             matcher.fill(mask[0])
-            allowed = ((mask[0].unsqueeze(-1) >> shifts) & 1).view(-1).nonzero().view(-1).tolist()
-            allowed = [t for t in allowed if t != eos and t < grammars.vocab_size] or [eos]
+            allowed = [int(t) for t in allowed_ids(mask[0], grammars.vocab_size) if t != eos] or [eos]
             token = rng.choice(allowed)
             tokens.append(token)
             matcher.consume(token)
