@@ -48,6 +48,17 @@ def test_supported_says_why_not_off_cuda():
     assert not support and "not a CUDA device" in support.reason
 
 
+def _wait_for(event: torch.cuda.Event, what: str, flag, seconds: float = 10.0) -> None:
+    """Poll `event` until it is done; past `seconds`, release every wait (so the process can exit) and fail
+    saying which wait never passed, instead of blocking in cudaEventSynchronize forever."""
+    deadline = time.perf_counter() + seconds
+    while not event.query():
+        if time.perf_counter() > deadline:
+            flag.set(flag.value + 2**30)  # every wait queued here passes: the stream drains
+            pytest.fail(f"{what}: the stream did not pass its wait within {seconds} s (flag {flag.value})")
+        time.sleep(0.001)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_stream_waits_for_a_flag_another_thread_sets_and_sees_what_was_written_before_it():
@@ -76,7 +87,7 @@ def test_a_stream_waits_for_a_flag_another_thread_sets_and_sees_what_was_written
     thread.start()
     time.sleep(0.01)
     assert not done.query()  # still waiting for the flag
-    done.synchronize()
+    _wait_for(done, "the wait for 1, set by another thread", flag)
     waited = time.perf_counter() - started
     thread.join()
     assert waited >= 0.045, waited
@@ -86,4 +97,6 @@ def test_a_stream_waits_for_a_flag_another_thread_sets_and_sees_what_was_written
     flag.wait(MASK32 - 5, stream)
     flag.set(MASK32 + 3)
     flag.wait(MASK32 + 2, stream)
-    stream.synchronize()
+    wrapped = torch.cuda.Event()
+    wrapped.record(stream)
+    _wait_for(wrapped, "the waits across 2**32", flag)

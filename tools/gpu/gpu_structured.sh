@@ -10,8 +10,10 @@
 # thread, the device waits for them: hkv/engine/mask_wait.py, experimental) for the bounded schema again, on the
 # default threads: $OUT/structured_device_wait.json. Warm restarts (the first is issue 38's second-start time)
 # then run the bounded schema with --grammar-threads 1, 2 and 8, one restart each (THREADS="1 2 8"; RESTART=0
-# skips them; their lines are in the log). About 7 minutes with DEVICE_WAIT=1 on a fresh machine.
-# Results: $OUT/structured.json, $OUT/structured_unbounded.json, $OUT/startup_*.log and $OUT/gpu_structured.log.
+# skips them; their lines are in the log). About 7 minutes with DEVICE_WAIT=1 on a fresh machine; DEVICE_WAIT=tests runs
+# only the device wait's GPU tests.
+# Results: $OUT/structured.json, $OUT/structured_unbounded.json, $OUT/startup_*.log and $OUT/gpu_structured.log
+# (with DEVICE_WAIT=1 also $OUT/structured_device_wait.json and $OUT/device_wait_tests.log).
 set -uo pipefail
 source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 MODEL=${STRUCTURED_MODEL:-/tmp/bench_model_151k}
@@ -20,7 +22,18 @@ LOG="$OUT/gpu_structured.log"
 PORT=8100
 SERVER_PID=
 
+device_wait_tests() {  # the device wait's GPU tests: the flag primitive, the same greedy tokens with and without it
+  say "the device wait's GPU tests: the flag primitive, and the same greedy tokens with and without it"
+  # -v and a file: a test killed by `timeout` still leaves the lines it printed (the 2026-12-05 call printed none);
+  # the thread method dumps every thread's stack at a test's timeout even when the main thread is in a CUDA call
+  timeout 400 python3 -m pytest -v -p no:cacheprovider -m gpu -rfEs --timeout=180 --timeout-method=thread \
+    --durations=5 tests/engine/test_host_flag.py tests/e2e/test_cuda_grammar_wait.py > "$OUT/device_wait_tests.log" 2>&1
+  echo "device wait tests: exit $?" >> "$OUT/device_wait_tests.log"
+  grep -v "warnings.warn\|Warning" "$OUT/device_wait_tests.log" | tail -40 | tee -a "$LOG"
+}
+
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee -a "$LOG"
+if [[ ${DEVICE_WAIT:-0} == tests ]]; then device_wait_tests; exit 0; fi  # those tests alone (about 3 minutes)
 bench_model "$MODEL" "the 1.99 B benchmark model with $TOKENIZER" --tokenizer "$TOKENIZER"
 say "server: the benchmark model, bf16, 64 running"
 start s_structured --max-running-requests 64 && {
@@ -36,9 +49,7 @@ start s_structured --max-running-requests 64 && {
   stop
   grep -h "done in\|ready in" /tmp/s_structured.err /tmp/s_structured.out | tee "$OUT/startup_first.log" >/dev/null
   if [[ ${DEVICE_WAIT:-0} == 1 ]]; then  # before the thread restarts: what the next call most needs
-    say "the device wait's GPU tests: the flag primitive, and the same greedy tokens with and without it"
-    timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=120 tests/engine/test_host_flag.py \
-      tests/e2e/test_cuda_grammar_wait.py 2>&1 | tail -15 | tee -a "$LOG"
+    device_wait_tests
     say "start again with HKV_GRAMMAR_DEVICE_WAIT=1: the bounded schema, masks filled off the rank's main thread"
     export HKV_GRAMMAR_DEVICE_WAIT=1  # the launcher's config reads it; the ranks get it in their config
     start s_structured --max-running-requests 64 && {
