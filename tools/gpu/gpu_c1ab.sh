@@ -4,19 +4,26 @@
 # machine); on the CPU the per-step host path is the same at both (docs/benchmarks.md, "Per-step overhead outside
 # the forward"). Both trees' servers run at once here and hkv-bench alternates between them, so each pair of
 # rounds shares the machine, its clocks and whatever else it is doing.
-#   prepare: mkdir -p .out/base && git archive 025c52e hkv hkv_kernels | tar -x -C .out/base
-#   run: BASE_TREE=.out/base bash tools/gpu/gpu_c1ab.sh [parts: host,served; default both]   (carry .whl, .out/base)
+#   prepare: mkdir -p .out/base && git archive 025c52e hkv hkv_kernels tools | tar -x -C .out/base
+#   run: BASE_TREE=.out/base bash tools/gpu/gpu_c1ab.sh [parts: host,served,decode; default host,served]
+#        (carry .whl, .out/base; `decode` alone fits one device call)
 # host: tiny-hybrid with the ranks' forward made free (tools/bench/free_forward/ first on PYTHONPATH): a step is the
 #       CUDA host path alone (graph replay, sampling, the step link, router, api), what c = 1 is bound by.
 # served: the MoE benchmark model (tools/bench/make_bench_model.py --moe), 0.4 of the GPU for each server.
-# ROUNDS (default 4) rounds of hkv-bench at c = 1 per tree, base first in odd rounds, this tree first in even ones.
-# Results: the per-round figures, the summary and the machine state in $OUT/gpu_c1ab.log (each round's JSON in
-# /tmp/c1ab on the machine).
+# decode: no server; the MoE benchmark model's B1 decode step in-process, each tree's own bench_decode
+#       (`--moe --batches 1`, random weights, CUDA graphs), then each tree's kernels per step
+#       (tools/bench/decode_ab.py kernels) and their diff: is the forward itself slower?
+# ROUNDS (default 4) rounds per tree (hkv-bench at c = 1; bench_decode for decode), base first in odd rounds, this
+# tree first in even ones. Results: the per-round figures, the summary and the machine state in $OUT/gpu_c1ab.log,
+# decode's kernel tables in $OUT/kernels_{base,head}.json (each round's JSON in /tmp/c1ab on the machine).
 set -uo pipefail
 source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 parts=${1:-host,served}
 BASE=${BASE_TREE:-}
-[[ -d $BASE/hkv ]] || { echo "BASE_TREE must hold an earlier commit's hkv and hkv_kernels (see the header)"; exit 2; }
+[[ -d $BASE/hkv && -d $BASE/tools ]] \
+  || { echo "BASE_TREE must hold an earlier commit's hkv, hkv_kernels and tools (see the header)"; exit 2; }
+BASE=$(cd "$BASE" && pwd)  # the decode part runs in each tree's root
+SITE=${PYTHONPATH#"$PWD"}; SITE=${SITE#:}  # PYTHONPATH without this tree: the carried wheels
 MODEL=${MOE_MODEL:-/tmp/moe_model}
 LOG="$OUT/gpu_c1ab.log"
 ROUNDS=${ROUNDS:-4}
@@ -76,6 +83,37 @@ for tree in ("base", "head"):
 PY
 }
 
+in_tree() {  # in_tree TREE CMD...: CMD in that tree's root, only it (and the carried wheels) on PYTHONPATH
+  local root=$PWD; [[ $1 == base ]] && root=$BASE; shift
+  (cd "$root" && PYTHONPATH="$root${SITE:+:$SITE}" "$@")
+}
+
+decode_round() {  # decode_round TREE ROUND: the tree's own bench_decode at B1 (graphs only where it has the flag)
+  local tree=$1 r=$2 root=$PWD mod=tools.bench.bench_decode
+  [[ $tree == base ]] && root=$BASE
+  [[ -f $root/tools/bench/bench_decode.py ]] || mod=tools.bench_decode  # before tools/ was split into folders
+  local flags=(--moe --batches 1 --iters 200 --json "$RUNS/decode_${tree}_$r.json")
+  grep -q -- "--graphs-only" "$root/${mod//.//}.py" && flags+=(--graphs-only)  # 025c52e's times eager steps too
+  in_tree "$tree" timeout 300 python3 -m "$mod" "${flags[@]}" 2>&1 | grep -E "B1 |captured|Error" \
+    | sed "s/^/[decode $tree $r] /" | tee -a "$LOG"
+}
+
+decode() {  # ROUNDS x (base, head) of decode_round, alternating which goes first; then the kernels of each
+  local r tree order
+  rm -f "$RUNS"/decode_*.json "$RUNS"/kernels_*.json  # a warm machine keeps an earlier call's
+  for r in $(seq 1 "$ROUNDS"); do
+    order="base head"; ((r % 2 == 0)) && order="head base"
+    machine
+    for tree in $order; do decode_round "$tree" "$r"; done
+  done
+  for tree in base head; do  # fed on stdin: the base tree has no decode_ab.py, and its imports resolve in the tree
+    in_tree "$tree" timeout 300 python3 - kernels "$RUNS/kernels_$tree.json" <tools/bench/decode_ab.py 2>&1 \
+      | tail -3 | sed "s/^/[kernels $tree] /" | tee -a "$LOG"
+    cp "$RUNS/kernels_$tree.json" "$OUT/" 2>/dev/null
+  done
+  python3 -m tools.bench.decode_ab summary "$RUNS" 2>&1 | tee -a "$LOG"
+}
+
 if wants host; then
   say "host path: tiny-hybrid on ${DEVICE:-cuda}, the ranks' forward free (tools/bench/free_forward/), both trees up"
   PYTHONPATH="$FREE:$PYTHONPATH" both s_c1host tiny-hybrid --gpu-memory-fraction 0.2 && rounds host
@@ -86,5 +124,9 @@ if wants served; then
   say "served: the MoE benchmark model, bf16, 64 running, 0.4 of the GPU each, both trees up"
   both s_c1moe "$MODEL" --max-running-requests 64 --gpu-memory-fraction 0.4 && rounds served
   stop_both
+fi
+if wants decode; then
+  say "decode: the MoE benchmark model's B1 decode step in-process, each tree's own bench_decode, $ROUNDS rounds"
+  decode
 fi
 exit 0
