@@ -187,19 +187,44 @@ def test_dequantize_experts_tiles_gate_and_up_halves_separately():
 
 def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypatch, capsys):
     """tools/bench/bench_fp8_kernels.py on two small shapes in fp32 on a CPU, timings stubbed: every sweep
-    candidate and the default tiles run and match the reference, and each bucket prints its DECODE_TILES
-    entry (the GPU run must not be the first to execute the section's Python)."""
+    candidate and the default tiles run and match the reference, each device timing calls the op on every
+    weight copy's own weights, rows carry device time with host-inclusive beside, the sweep ranks by device
+    time, and each bucket prints its step totals and DECODE_TILES entry (the GPU run must not be the first
+    to execute the section's Python)."""
     from tools.bench import bench_fp8_kernels as fp8_bench
     from tools.bench import bench_kernels
 
+    def two_sets(weights):
+        # the second copy's output is exactly twice the first's: its last tensor (bf16 weight, FP8 scales) doubled
+        return [weights, (*weights[:-1], weights[-1] * 2)]
+
+    device_ms = iter(1 / (1 + i) for i in range(10**6))  # each timing faster than the one before
+
+    def graph_ms(op, sets):
+        first, second = (op(*weights) for weights in sets)
+        assert torch.equal(second, 2 * first)
+        return next(device_ms)
+
     monkeypatch.setattr(bench_kernels, "DECODE_GEMMS", [("even", 256, 256, 2), ("ragged", 200, 384, 1)])
     monkeypatch.setattr(bench_kernels, "ROWS", [])
+    monkeypatch.setattr(bench_kernels, "CEIL", {"copy": 1.0})
     monkeypatch.setattr(fp8_bench, "ROWS", (1, 5))
     monkeypatch.setattr(fp8_bench, "SWEEP_ROWS", (1, 16))
-    monkeypatch.setattr(fp8_bench, "quick_bench", lambda fn: (fn(), 1.0)[1])
-    fp8_bench.bench_fp8(bench_kernels.row, lambda fn: (fn(), 1.0)[1], device="cpu", dtype=torch.float32)
+    monkeypatch.setattr(fp8_bench, "quick_bench", lambda fn: 2.0)
+    monkeypatch.setattr(fp8_bench, "weight_sets", two_sets)
+    monkeypatch.setattr(fp8_bench, "graph_ms", graph_ms)
+    fp8_bench.bench_fp8(bench_kernels.row, lambda fn: 3.0, device="cpu", dtype=torch.float32)
     out = capsys.readouterr().out
     assert "relative error" not in out and "failed" not in out, out
-    sweep_rows = [r for r in bench_kernels.ROWS if r["kernel"].startswith("fp8_sweep_")]
+    sweep_rows = [r for r in bench_kernels.ROWS if r["kernel"].startswith("fp8_sweep_") and "step" not in r["kernel"]]
     assert len(sweep_rows) == 2 * sum(len(fp8_bench.candidates(rows)) for rows in (1, 16))
-    assert out.count("DECODE_TILES entry for M <= ") == 2
+    assert all(r["ms"] < 1 and r["host_ms"] == 2.0 for r in sweep_rows)
+    headline = [r for r in bench_kernels.ROWS if r["kernel"] in ("fp8_gemm_even", "fp8_gemm_ragged")]
+    assert len(headline) == 4 and all(r["ms"] < 1 and r["host_ms"] == 3.0 for r in headline)
+    # the last candidate was timed last on every shape, so it has the lowest step total in device time
+    for rows in (1, 16):
+        last = fp8_bench.candidates(rows)[-1]
+        assert f'DECODE_TILES entry for M <= {rows}: ({rows}, Fp8Tile("{last.kind}", {last.block_m}, ' in out
+        step = next(r for r in bench_kernels.ROWS if r["kernel"] == "fp8_sweep_step_best" and r["shape"] == f"M{rows}")
+        assert step["host_ms"] == 3 * 2.0 and step["ms"] < 3 * 1
+    assert out.count("acceptance 3 at M = 1:") == 1

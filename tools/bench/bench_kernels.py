@@ -8,7 +8,8 @@ Ceilings are measured in the same run: device-to-device copy bandwidth (bytes
 read + written), the bf16 matmul rate, and a plain pinned host<->device copy_.
 Each row prints time (median of triton's do_bench), achieved GB/s or TFLOP/s,
 the fraction of the matching ceiling, and speed relative to the baseline
-(>1 means hkv is faster).
+(>1 means hkv is faster). The fp8 section's time is device time from CUDA graph
+replays instead (tools/bench/device_time.py), with do_bench in a host-incl column.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ def bench(fn: Callable[[], object]) -> float:
 
 
 def row(name: str, shape: str, ms: float, *, gbytes: float = 0.0, tflop: float = 0.0,
-        base_name: str = "", base_ms: float | None = None, ceiling: str = "copy") -> None:
-    """Record and print one result; rate is GB/s for memory-bound rows, TFLOP/s for compute-bound ones."""
+        base_name: str = "", base_ms: float | None = None, ceiling: str = "copy",
+        host_ms: float | None = None, base_host_ms: float | None = None) -> None:
+    """Record and print one result; rate is GB/s for memory-bound rows, TFLOP/s for compute-bound ones.
+    host_ms / base_host_ms: where ms is device time (bench_fp8_kernels' CUDA graph replays), the same op and
+    baseline timed per call from the host (do_bench), printed in a last column."""
     if tflop:
         rate, unit = tflop / ms * 1e3, "TFLOP/s"
     else:
@@ -53,10 +57,12 @@ def row(name: str, shape: str, ms: float, *, gbytes: float = 0.0, tflop: float =
     speed = base_ms / ms if base_ms else float("nan")
     entry = dict(kernel=name, shape=shape, ms=ms, rate=rate, unit=unit, ceiling=ceiling,
                  ceiling_rate=CEIL.get(ceiling), frac_of_ceiling=frac, baseline=base_name,
-                 baseline_ms=base_ms, speedup_vs_baseline=speed)
+                 baseline_ms=base_ms, speedup_vs_baseline=speed, host_ms=host_ms, baseline_host_ms=base_host_ms)
     ROWS.append(entry)
+    host = "" if host_ms is None else f" | host-incl {host_ms:9.4f} ms"
+    host += "" if base_host_ms is None else f", base {base_host_ms:9.4f} ms"
     print(f"{name:<28} {shape:<34} {ms:9.4f} ms {rate:9.1f} {unit:<7} {100 * frac:6.1f}% of {ceiling:<6}"
-          f" | {base_name:<22} {base_ms if base_ms else float('nan'):9.4f} ms  x{speed:5.2f}", flush=True)
+          f" | {base_name:<22} {base_ms if base_ms else float('nan'):9.4f} ms  x{speed:5.2f}{host}", flush=True)
 
 
 def measure_ceilings() -> None:

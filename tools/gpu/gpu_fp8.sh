@@ -18,11 +18,14 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee 
 python3 -c 'import torch, triton; import torch.nn.functional as F; print("torch", torch.__version__, "triton",
   triton.__version__, "block-scaled scaled_mm", hasattr(F, "scaled_mm"))' 2>&1 | tee -a "$LOG"
 if wants tests; then
-  say "FP8 kernel tests (fp32 / bf16 / fp16 against the dequantizing reference; FP8 experts in the MoE kernels)"
+  say "FP8 kernel tests (fp32 / bf16 / fp16 against the dequantizing reference; FP8 experts in the MoE kernels; the bench's graph timer)"
   timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs --timeout=300 \
-    tests/kernels/test_fp8_gemm.py tests/kernels/test_moe.py 2>&1 | tail -12 | tee -a "$LOG"
+    tests/kernels/test_fp8_gemm.py tests/kernels/test_moe.py tests/tools/bench/test_device_time.py 2>&1 | tail -12 \
+    | tee -a "$LOG"
 fi
 if wants bench; then
+  # fp8 rows: ms is device time (CUDA graph replays over weight copies), host-incl is do_bench per call;
+  # the gemm section's bf16 rows are do_bench alone
   say "kernel benchmark: FP8 GEMMs against bf16 (M = 1, 32, 64, 2048), then the tile sweep (M = 1, 4, 16, 32, 64)"
   timeout 300 python3 -m tools.bench.bench_kernels --only fp8,gemm --json "$OUT/fp8_kernels.json" 2>&1 \
     | grep -v Warning | tee -a "$LOG"
