@@ -10,6 +10,8 @@ query's dtype, block by block (hkv_kernels/kv_quant.py), so the dots run as they
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -217,27 +219,70 @@ def decode_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
     return max(1, min(16, -(-4 * _SM_COUNT[index] // programs)))
 
 
+@dataclass(frozen=True)
+class DecodeTile:
+    """The split decode's tile: keys a block, warps, pipeline stages, and the split count as a multiple
+    of decode_splits' (the launcher takes max(1, int(splits * split_scale))). paged_attention takes the
+    split path only where decode_splits gives more than one split, so the scale cannot turn it on."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_scale: float = 1.0
+
+
+# sequences x KV heads (programs before the split) from which the wide tile applies
+WIDE_PROGRAMS = 32
+
+# (narrow, wide) decode tiles by page dtype: FP8 pages (True) or not. The second pair is the H200
+# decode_short sweep's (launch_paged_decode's docstring); FP8 pages use it too until the FP8 KV sweep
+# (tools/bench/bench_decode_fp8kv.py, `bench_kernels --only decode_fp8kv`) picks theirs: it prints the
+# entry to paste here.
+DECODE_TILES: dict[bool, tuple[DecodeTile, DecodeTile]] = {
+    False: (DecodeTile(64, 4, 3), DecodeTile(32, 4, 2)),
+    True: (DecodeTile(64, 4, 3), DecodeTile(32, 4, 2)),
+}
+
+
+def wide_decode(num_seqs: int, num_kv_heads: int) -> bool:
+    """A decode step takes DECODE_TILES' wide tile: its sequences x KV heads reach WIDE_PROGRAMS."""
+    return num_seqs * num_kv_heads >= WIDE_PROGRAMS
+
+
+def decode_tile(num_seqs: int, num_kv_heads: int, fp8: bool) -> DecodeTile:
+    """The DECODE_TILES entry for a decode step of num_seqs sequences over FP8 pages or not."""
+    return DECODE_TILES[fp8][wide_decode(num_seqs, num_kv_heads)]
+
+
+def scaled_splits(splits: int, scale: float) -> int:
+    """A split count times a tile's split_scale, at least one split."""
+    return max(1, int(splits * scale))
+
+
 def launch_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
     scale: float, out: torch.Tensor, gate: torch.Tensor | None = None, block_n: int | None = None,
-    splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+    splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Decode launcher (every sequence has one new token): keys split across programs, then reduced.
 
-    Tile: 32 keys a block and 2 stages once sequences x KV heads give 32 programs before the split,
-    else 64 and 3. The H200 sweep (tools/bench/bench_kernels.py decode_short: the benchmark model's 6
-    attention layers, Hq 16 / Hkv 2 / D 256, in a graph) measured 32 / 2 at 1.29x the 64 / 3 tile at
-    B32 x 576 keys, 1.16x at B64 x 576 and 1.02x at B64 x 4,096; at B1 it was not among the best.
+    Tile: decode_tile's (DECODE_TILES by page dtype). On bf16 pages, 32 keys a block and 2 stages once
+    sequences x KV heads give 32 programs before the split, else 64 and 3. The H200 sweep
+    (tools/bench/bench_kernels.py decode_short: the benchmark model's 6 attention layers, Hq 16 / Hkv 2 /
+    D 256, in a graph) measured 32 / 2 at 1.29x the 64 / 3 tile at B32 x 576 keys, 1.16x at B64 x 576
+    and 1.02x at B64 x 4,096; at B1 it was not among the best.
     block_n / splits / num_warps / num_stages override it (sweeps)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     num_seqs = meta.num_seqs
-    splits = splits or decode_splits(num_seqs, num_kv_heads, q.device)
-    wide = num_seqs * num_kv_heads >= 32
-    block_n = block_n or (32 if wide else 64)
-    num_stages = num_stages or (2 if wide else 3)
+    fp8 = _fp8(k_cache, v_cache)
+    tile = decode_tile(num_seqs, num_kv_heads, fp8)
+    splits = splits or scaled_splits(decode_splits(num_seqs, num_kv_heads, q.device), tile.split_scale)
+    block_n = block_n or tile.block_n
+    num_warps = num_warps or tile.num_warps
+    num_stages = num_stages or tile.num_stages
     part_o = torch.empty(num_seqs, splits, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(2, num_seqs, splits, num_q_heads, dtype=torch.float32, device=q.device)
     block_m = max(16, next_pow2(group))
@@ -247,7 +292,7 @@ def launch_paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0), scale * _LOG2E,
         num_seqs, num_q_heads, float(kv_scales[0]), float(kv_scales[1]),
         SPLITS=splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), FP8=_fp8(k_cache, v_cache),
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     gated = gate is not None

@@ -474,6 +474,13 @@ def bench_fp8() -> None:
     run(row, bench)
 
 
+def bench_decode_fp8kv() -> None:
+    """Decode attention over bf16 and FP8 pages across tiles and split counts (tools/bench/bench_decode_fp8kv.py)."""
+    from tools.bench.bench_decode_fp8kv import bench_decode_fp8kv as run
+
+    run(row, bench)
+
+
 def bench_moe_sweep() -> None:
     from tools.bench.bench_moe_kernels import bench_moe_sweep as run
 
@@ -484,7 +491,7 @@ SECTIONS = {
     "sweep": bench_sweep, "gemm": bench_gemm, "decode_short": bench_decode_short,
     "decode": bench_decode_attention, "prefill": bench_prefill_attention, "gdn_prefill": bench_gdn_prefill,
     "gdn_decode": bench_gdn_decode, "conv": bench_conv1d, "copy": bench_cache_copies, "fused": bench_fused_ops,
-    "moe": bench_moe, "moe_sweep": bench_moe_sweep, "fp8": bench_fp8,
+    "moe": bench_moe, "moe_sweep": bench_moe_sweep, "fp8": bench_fp8, "decode_fp8kv": bench_decode_fp8kv,
 }
 
 

@@ -6,9 +6,14 @@
 #           with the same greedy tokens, and the start-up line with the KV bytes a token (~1-2 min)
 #   decode  acceptance 3's last line: the 1.99 B benchmark model's decode step at concurrency 32 over 32k tokens
 #           of context, bf16 KV then FP8 KV in the same run (tools/bench/bench_decode.py, graphs; ~2-3 min)
-#   run: bash tools/gpu/gpu_fp8kv.sh [parts: tests,serve,decode; default all]
-# Results: $OUT/fp8kv_decode.json and the log $OUT/gpu_fp8kv.log. Look for: the tests passing, "same tokens: True",
-# and "FP8 KV speed-up at B32 x 32768: >= 1.3x" (the issue's bar).
+#   sweep   the split decode attention alone over bf16 and FP8 pages of the benchmark model's attention shapes
+#           (B1 / B32 x 32768 keys, B64 x 4096): tiles x split counts, each checked against the reference
+#           (tools/bench/bench_decode_fp8kv.py via bench_kernels --only decode_fp8kv; ~1-3 min, mostly compiles)
+#   run: bash tools/gpu/gpu_fp8kv.sh [parts: tests,serve,decode,sweep; default tests,serve,decode]
+# Results: $OUT/fp8kv_decode.json, $OUT/fp8kv_sweep.json (every row) with $OUT/fp8kv_sweep.log (the whole
+# output), and the log $OUT/gpu_fp8kv.log. Look for: the tests passing, "same tokens: True",
+# "FP8 KV speed-up at B32 x 32768: >= 1.3x" (the issue's bar), and the sweep's "DECODE_TILES line for
+# fp8_e4m3 pages" (the line to paste into hkv_kernels/paged_attention/triton_paged_attention.py).
 set -uo pipefail
 source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
 parts=${1:-tests,serve,decode}
@@ -56,6 +61,11 @@ for b in (1, 32):
         print(f"FP8 KV speed-up at B{b} x 32768: {bf16 / fp8:.2f}x ({bf16:.3f} ms bf16 KV, {fp8:.3f} ms FP8 KV)"
               + ("  (the issue's bar: >= 1.3x)" if b == 32 else ""))
 EOF
+fi
+if wants sweep; then
+  say "decode attention over bf16 and FP8 pages: tiles x split counts (bench_kernels --only decode_fp8kv)"
+  timeout 420 python3 -m tools.bench.bench_kernels --only decode_fp8kv --json "$OUT/fp8kv_sweep.json" 2>&1 \
+    | grep -v Warning | tee "$OUT/fp8kv_sweep.log" | grep -Ev "^decode_fp8kv .*% of copy" | tee -a "$LOG"
 fi
 [[ -n $SERVER_PID ]] && kill -TERM "$SERVER_PID" 2>/dev/null
 exit 0
