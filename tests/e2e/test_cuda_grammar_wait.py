@@ -2,7 +2,8 @@
 the device-side wait as without it (one at a time, so that batching cannot change a float32 argmax: every decode step
 after a request's first has its grammar row behind, the deferred path), the ranks log that the wait is on, and all
 of them at once beside plain ones (several grammar rows a step, filled on the mask threads) keep to their
-constraints. Not yet run on a GPU: tools/gpu/gpu_structured.sh runs it with DEVICE_WAIT=1."""
+constraints. Its one GPU run (2026-12-05) printed nothing before the call's limit; `DEVICE_WAIT=tests bash
+tools/gpu/gpu_structured.sh` runs it alone, its -v output in $OUT/device_wait_tests.log."""
 
 from __future__ import annotations
 
