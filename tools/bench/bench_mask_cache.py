@@ -13,24 +13,15 @@ every mask computed by llguidance AND looked up in a dict keyed by a schema-awar
 matcher consumed (filled on a miss). A hit whose cached mask differs bit for bit from llguidance's is a
 MISMATCH: the key missed part of the state.
 
-The key. A mask is the set of tokens whose bytes extend the output to a prefix of some answer, so it depends
-only on the answer's possible continuations up to the longest token's bytes (H). The tracker keys a state
-inside a value string by:
-  - each enclosing container: an object's node and the keys written so far (llguidance writes properties in
-    schema order, optional ones skippable); an array's node and, for the item being written, how many more
-    items must follow and how many may, each capped at R = H // s + 2 (s: the fewest bytes `, ` and an item
-    take; further items than R lie beyond any token's reach, so their count cannot change the mask);
-  - the string's node, its characters still allowed (maxLength - written, capped at H + 1: a character takes
-    a byte at least) and still required (minLength - written, capped alike), and the bytes of a partial
-    UTF-8 character or escape pending (exactly: a lead byte constrains its continuation bytes).
-Which characters were written does not enter it. Anything the tracker cannot follow (a schema outside the
-family, an escape of a UTF-16 surrogate, whose counting is llguidance's business) gives no key. The
+The key is hkv/engine/mask_cache.py's Tracker (where HKV_GRAMMAR_MASK_CACHE's serving cache took it from; its
+docstring says what a key holds and why): each enclosing container's state, the string's node, its characters
+still allowed and required (capped at what a token can reach), and a pending partial character or escape. The
 "naive" key (the string's node and position alone, no container state) is checked beside it: its
 mismatches show what the container state is for.
 
 The family: objects with fixed `properties` (`additionalProperties: false`; required and optional),
 arrays with `items` (+ minItems / maxItems), strings with maxLength / minLength and nothing else, integers,
-numbers, booleans, enums of scalars. JSON is compact (grammar.JSON_OPTIONS). Per schema it reports fills,
+numbers, booleans, enums of scalars but floats. JSON is compact (grammar.JSON_OPTIONS). Per schema it reports fills,
 keyed fills, would-be hits, the fill time hits would save, fills over 0.5 ms (keyed and all), mismatches
 of both keys, the tracker's own cost a token and llguidance's consume (which a hit would still pay).
 `--horizon` below the longest token is an ablation: the caps then merge states a token can tell apart, and
@@ -49,12 +40,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from hkv.engine.grammar import Grammars
+from hkv.engine.mask_cache import Tracker, compile_schema
 from hkv.ipc.messages import Constraint
 from tools.bench.bench_grammar import allowed_ids
 from tools.bench.bench_structured import schema_of
 
 COSTLY_S = 5e-4  # a fill over this is one of llguidance's trie walks
-_LITERALS = {"integer", "number", "boolean", "null"}
 
 SCHEMAS = {
     "bounded": schema_of("bounded"),
@@ -89,247 +80,6 @@ SCHEMAS = {
     # many short items: the items still required and allowed are capped at R (the early items share keys)
     "long": {"type": "array", "minItems": 60, "maxItems": 70, "items": {"type": "string", "maxLength": 3}},
 }
-
-
-class Unsupported(ValueError):
-    """A schema outside the family this tracker follows."""
-
-
-@dataclass
-class Node:
-    """One schema node of the family, compiled: `path` names it (a JSON pointer into the schema)."""
-
-    kind: str  # object, array, string, enum, or a literal kind (integer, number, boolean, null)
-    path: str
-    properties: dict[str, "Node"] = field(default_factory=dict)
-    required: frozenset[str] = frozenset()
-    items: "Node | None" = None
-    min_items: int = 0
-    max_items: int | None = None
-    min_length: int = 0
-    max_length: int | None = None
-    enum: tuple[bytes, ...] = ()
-
-
-def compile_schema(schema: dict, path: str = "") -> Node:
-    """The schema as a Node tree; Unsupported for anything outside the family."""
-    keys = set(schema)
-    if "enum" in schema and keys == {"enum"}:
-        if any(isinstance(v, (dict, list)) or "\\" in json.dumps(v) for v in schema["enum"]):
-            raise Unsupported(f"{path or '/'}: an enum of containers or of strings that need escapes")
-        return Node("enum", path, enum=tuple(json.dumps(v).encode() for v in schema["enum"]))
-    kind = schema.get("type")
-    if kind == "object" and keys <= {"type", "properties", "required", "additionalProperties"} \
-            and schema.get("additionalProperties") is False:
-        names = list(schema.get("properties", {}))
-        if any(json.dumps(name) != f'"{name}"' for name in names):
-            raise Unsupported(f"{path or '/'}: a property name that needs an escape")
-        return Node("object", path, required=frozenset(schema.get("required", ())),
-                    properties={n: compile_schema(s, f"{path}/{n}") for n, s in schema["properties"].items()})
-    if kind == "array" and keys <= {"type", "items", "minItems", "maxItems"} and isinstance(schema.get("items"), dict):
-        return Node("array", path, items=compile_schema(schema["items"], f"{path}/items"),
-                    min_items=schema.get("minItems", 0), max_items=schema.get("maxItems"))
-    if kind == "string" and keys <= {"type", "minLength", "maxLength"}:
-        return Node("string", path, min_length=schema.get("minLength", 0), max_length=schema.get("maxLength"))
-    if kind in _LITERALS and keys == {"type"} or kind == "integer" and keys <= {"type", "minimum", "maximum"}:
-        return Node(kind, path)
-    raise Unsupported(f"{path or '/'}: {sorted(keys)} of type {kind!r}")
-
-
-def min_bytes(node: Node) -> int:
-    """A lower bound on the bytes of any compact JSON value of `node`."""
-    if node.kind == "string":
-        return 2 + node.min_length
-    if node.kind == "enum":
-        return min(map(len, node.enum))
-    if node.kind == "object":
-        members = [len(name) + 4 + min_bytes(node.properties[name]) for name in node.required]
-        return 2 + sum(members) + 2 * max(len(members) - 1, 0)
-    if node.kind == "array":
-        return 2 + node.min_items * (min_bytes(node.items) + 2) - (2 if node.min_items else 0)
-    return 4 if node.kind in ("boolean", "null") else 1
-
-
-@dataclass
-class _Frame:
-    """One open value on the tracker's stack. phase: an object's `open` (a key or `}` next), `key` (inside
-    one), `colon` (its value next), `value` (in it), `after` (`, ` or `}` next); an array's `open`, `next`
-    (an item next), `value`, `after`; a string's and a literal's `value`."""
-
-    node: Node
-    phase: str = "open"
-    keys: tuple[str, ...] = ()  # an object's keys written so far (the one being written last)
-    name: bytearray = field(default_factory=bytearray)  # an object's key being read, a literal's bytes
-    index: int = 0  # an array's item being written
-    chars: int = 0  # a string's characters written
-    pending: bytes = b""  # a string's partial UTF-8 character or escape
-    surrogate: bool = False  # a string that holds a \\u escape of a UTF-16 surrogate: no key
-
-
-def _utf8_len(lead: int) -> int:
-    return 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-
-
-class Tracker:
-    """Where a matcher stands in a schema of the family, from the bytes it consumed (compact JSON).
-
-    feed(data) advances it; key() / naive_key() are the cache keys of the state (None outside a value
-    string, or once it lost track). It trusts the bytes to be a prefix of an answer (llguidance's masks made
-    them so) and only checks what it needs to follow them; a byte it cannot place makes it `lost`."""
-
-    def __init__(self, root: Node, horizon: int):
-        self.root = root
-        self.horizon = horizon  # the longest token's bytes
-        self.stack: list[_Frame] = []
-        self.expect = b""  # separator bytes that must come next
-        self.done = False  # the root value is complete
-        self.lost = False
-        self.capped = False  # the last key() capped a count at what a token can reach
-
-    def feed(self, data: bytes) -> None:
-        for b in data:
-            if self.lost:
-                return
-            self._byte(b)
-
-    def _byte(self, b: int) -> None:
-        if self.expect:
-            self.lost = b != self.expect[0]
-            self.expect = self.expect[1:]
-            return
-        if self.done:
-            self.lost = True
-        elif not self.stack:
-            self._begin(self.root, b)
-        elif self.stack[-1].node.kind == "object":
-            self._object_byte(self.stack[-1], b)
-        elif self.stack[-1].node.kind == "array":
-            self._array_byte(self.stack[-1], b)
-        elif self.stack[-1].node.kind == "string":
-            self._string_byte(self.stack[-1], b)
-        else:
-            self._literal_byte(self.stack[-1], b)
-
-    def _begin(self, node: Node, b: int) -> None:
-        """Open a value of `node` whose first byte is b."""
-        opening = {"object": ord("{"), "array": ord("["), "string": ord('"')}.get(node.kind)
-        if opening is not None and b != opening:
-            self.lost = True
-            return
-        frame = _Frame(node, phase="open" if node.kind in ("object", "array") else "value")
-        self.stack.append(frame)
-        if opening is None:
-            frame.name.append(b)
-
-    def _close(self) -> None:
-        self.stack.pop()
-        if self.stack:
-            self.stack[-1].phase = "after"
-        else:
-            self.done = True
-
-    def _object_byte(self, frame: _Frame, b: int) -> None:
-        if frame.phase in ("open", "after") and b == ord("}"):
-            self._close()
-        elif frame.phase == "after" and b == ord(","):
-            frame.phase, self.expect = "open", b" "
-        elif frame.phase == "open" and b == ord('"'):
-            frame.phase, frame.name = "key", bytearray()
-        elif frame.phase == "key" and b == ord('"'):
-            name = frame.name.decode("utf-8", "replace")
-            if name not in frame.node.properties:
-                self.lost = True
-            frame.phase, frame.keys, self.expect = "colon", (*frame.keys, name), b": "
-        elif frame.phase == "key":
-            frame.name.append(b)
-        elif frame.phase == "colon":
-            frame.phase = "value"
-            self._begin(frame.node.properties[frame.keys[-1]], b)
-        else:
-            self.lost = True
-
-    def _array_byte(self, frame: _Frame, b: int) -> None:
-        if frame.phase in ("open", "after") and b == ord("]"):
-            self._close()
-        elif frame.phase == "after" and b == ord(","):
-            frame.phase, frame.index, self.expect = "next", frame.index + 1, b" "
-        elif frame.phase in ("open", "next"):
-            frame.phase = "value"
-            self._begin(frame.node.items, b)
-        else:
-            self.lost = True
-
-    def _string_byte(self, frame: _Frame, b: int) -> None:
-        if frame.pending[:1] == b"\\":
-            frame.pending += bytes([b])
-            if frame.pending[1:2] == b"u" and len(frame.pending) < 6:
-                return
-            if frame.pending[1:2] == b"u":
-                frame.surrogate |= 0xD800 <= int(frame.pending[2:], 16) <= 0xDFFF
-            frame.chars, frame.pending = frame.chars + 1, b""
-        elif frame.pending:
-            frame.pending += bytes([b])
-            if len(frame.pending) == _utf8_len(frame.pending[0]):
-                frame.chars, frame.pending = frame.chars + 1, b""
-        elif b == ord('"'):
-            self._close()
-        elif b == ord("\\") or b >= 0xC0:
-            frame.pending = bytes([b])
-        else:
-            frame.chars += 1
-
-    def _literal_byte(self, frame: _Frame, b: int) -> None:
-        quoted = frame.name[:1] == b'"'
-        if quoted:  # an enum's string: it ends at its next quote (compile_schema refused escapes in them)
-            frame.name.append(b)
-            if b == ord('"'):
-                self._close()
-        elif b in b",}]":  # a number, boolean, null or unquoted enum ends where its container goes on
-            self._close()
-            self._byte(b)
-        else:
-            frame.name.append(b)
-
-    def _container_states(self) -> tuple:
-        states = []
-        for frame in self.stack[:-1]:
-            node = frame.node
-            if node.kind == "object":
-                states.append((node.path, frame.keys))
-                continue
-            step = min_bytes(node.items) + 2  # `, ` and the fewest bytes of an item
-            cap = self.horizon // step + 2
-            must = max(node.min_items - frame.index - 1, 0)
-            may = None if node.max_items is None else node.max_items - frame.index - 1
-            self.capped |= must > cap or may is not None and may > cap
-            states.append((node.path, min(must, cap), None if may is None else min(may, cap)))
-        return tuple(states)
-
-    def _string(self) -> _Frame | None:
-        if self.lost or self.expect or not self.stack:
-            return None
-        frame = self.stack[-1]
-        if frame.node.kind != "string" or frame.surrogate:
-            return None
-        return frame
-
-    def _string_state(self, frame: _Frame) -> tuple:
-        reach = self.horizon + 1  # more characters than a token holds bytes are out of its reach
-        node = frame.node
-        left = None if node.max_length is None else node.max_length - frame.chars
-        short = max(node.min_length - frame.chars, 0)
-        self.capped |= short > reach or left is not None and left > reach
-        return node.path, None if left is None else min(left, reach), min(short, reach), frame.pending
-
-    def key(self) -> tuple | None:
-        """The state's cache key inside a value string; None elsewhere."""
-        frame, self.capped = self._string(), False
-        return None if frame is None else (self._container_states(), self._string_state(frame))
-
-    def naive_key(self) -> tuple | None:
-        """The string's node and position alone (what a text scan sees): no container state."""
-        frame = self._string()
-        return None if frame is None else self._string_state(frame)
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""tools/bench/bench_mask_cache.py: the tracker's keys on hand-written bytes, and the study on the built-in
-4,096-token tokenizer, where its claim is checked in CI: a cache keyed by the tracker returns llguidance's own
-mask bit for bit, while the naive key (no container state) is caught returning a wrong one."""
+"""tools/bench/bench_mask_cache.py: the tracker's keys (hkv/engine/mask_cache.py) on hand-written bytes, and the
+study on the built-in 4,096-token tokenizer, where its claim is checked in CI: a cache keyed by the tracker returns
+llguidance's own mask bit for bit, while the naive key (no container state) is caught returning a wrong one."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import json
 
 import pytest
 
+from hkv.engine.mask_cache import Tracker, Unsupported, compile_schema, min_bytes
 from hkv.models.tiny import SHIPPED_DIR
 from tools.bench import bench_mask_cache
-from tools.bench.bench_mask_cache import SCHEMAS, Tracker, Unsupported, compile_schema, min_bytes
+from tools.bench.bench_mask_cache import SCHEMAS
 
 ARRAYS = compile_schema(SCHEMAS["arrays"])
 TAGS = ("", ("tags",))
@@ -51,7 +52,9 @@ def test_counts_past_a_tokens_reach_are_capped():
 
 
 @pytest.mark.parametrize("schema", [{"type": "string", "pattern": "a+"}, {"type": "object", "properties": {}},
-                                    {"enum": [[1]]}, {"anyOf": [{"type": "string"}]}])
+                                    {"enum": [[1]]}, {"enum": [1.5]}, {"anyOf": [{"type": "string"}]}, True,
+                                    {"type": "object", "additionalProperties": False, "required": ["a"]},
+                                    {"type": "string", "maxLength": "5"}])
 def test_schemas_outside_the_family_are_refused(schema):
     with pytest.raises(Unsupported):
         compile_schema(schema)
