@@ -159,6 +159,9 @@ class SchedulerConfig:
     grammar_threads: int = 0  # --grammar-threads: a rank's mask threads; 0 = grammar.default_mask_threads()
     # experimental, $HKV_GRAMMAR_DEVICE_WAIT=1: CUDA ranks fill masks off the main thread, the device waits for them
     grammar_device_wait: bool = False
+    # experimental, $HKV_GRAMMAR_MASK_CACHE=1 ("on") or =verify: json_schema masks cached by schema state
+    # (hkv/engine/mask_cache.py); "off" otherwise
+    grammar_mask_cache: str = "off"
 
 
 @dataclass(frozen=True)
@@ -580,6 +583,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             prefix_wait_tokens=args.prefix_wait_tokens,
             grammar_threads=args.grammar_threads or 0,
             grammar_device_wait=os.environ.get("HKV_GRAMMAR_DEVICE_WAIT") == "1",  # hkv/engine/mask_wait.py
+            grammar_mask_cache={"1": "on", "verify": "verify"}.get(os.environ.get("HKV_GRAMMAR_MASK_CACHE", ""), "off"),
         ),
         spec=SpecConfig(args.spec_tokens, args.draft_window or 0, os.environ.get("HKV_SPEC_ORACLE") or None),
         server=server,

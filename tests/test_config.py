@@ -373,3 +373,16 @@ def test_the_grammar_device_wait_comes_from_its_variable_only_when_1(tmp_path, m
         shutil.rmtree(cfg.run_dir)
         assert cfg.scheduler.grammar_device_wait is on
         assert HkvConfig.from_json(cfg.to_json()).scheduler.grammar_device_wait is on
+
+
+def test_the_grammar_mask_cache_comes_from_its_variable_only_when_1_or_verify(tmp_path, monkeypatch):
+    folder = str(_qwen3_5_folder(tmp_path))
+    for value, mode in ((None, "off"), ("0", "off"), ("yes", "off"), ("1", "on"), ("verify", "verify")):
+        if value is None:
+            monkeypatch.delenv("HKV_GRAMMAR_MASK_CACHE", raising=False)
+        else:
+            monkeypatch.setenv("HKV_GRAMMAR_MASK_CACHE", value)
+        cfg = parse_cli(["--device", "cpu", "--model", folder])
+        shutil.rmtree(cfg.run_dir)
+        assert cfg.scheduler.grammar_mask_cache == mode
+        assert HkvConfig.from_json(cfg.to_json()).scheduler.grammar_mask_cache == mode

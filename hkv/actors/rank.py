@@ -187,7 +187,7 @@ def _grammar_loader(cfg: HkvConfig, vocab_size: int) -> GrammarLoader:
     """Structured output's tokenizer view, built in a thread while the rank starts."""
     path = os.path.join(cfg.model.path, "tokenizer.json")
     return GrammarLoader(path if os.path.isfile(path) else None, vocab_size, cfg.model.spec.eos_ids,
-                         threads=cfg.scheduler.grammar_threads or None)
+                         threads=cfg.scheduler.grammar_threads or None, mask_cache=cfg.scheduler.grammar_mask_cache)
 
 
 def _mask_wait(device):

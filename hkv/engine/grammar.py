@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
+from hkv.engine.mask_cache import MaskCache, MaskCaches
 from hkv.ipc.messages import CONSTRAINT_KINDS, MAX_CONSTRAINT_CHARS, Constraint
 
 if TYPE_CHECKING:  # torch only in annotations: the api imports this module without loading torch
@@ -50,6 +51,7 @@ log = logging.getLogger("hkv.grammar")
 T = TypeVar("T")
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MASK_CACHE_MODES = ("off", "on", "verify")  # HKV_GRAMMAR_MASK_CACHE unset, =1, =verify (hkv/engine/mask_cache.py)
 
 
 class GrammarError(ValueError):
@@ -116,10 +118,14 @@ def mask_words(vocab_size: int) -> int:
 class Matcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, inner, eos_ids: Sequence[int]):
+    def __init__(self, inner, eos_ids: Sequence[int], cache: MaskCache | None = None,
+                 token_bytes: Sequence[bytes] = ()):
         self._inner = inner  # llguidance.LLMatcher; None for a matcher that only ends its sequence
         self._eos = list(eos_ids)
         self.failed = inner is None  # a token the grammar did not allow was forced in: only EOS from now on
+        self._cache = cache  # its grammar's masks by state (HKV_GRAMMAR_MASK_CACHE), None without
+        self._tracker = cache.tracker() if cache is not None else None  # where it stands, for the cache's key
+        self._token_bytes = token_bytes  # each id's bytes, which the tracker follows (with a cache)
 
     @classmethod
     def ended(cls, eos_ids: Sequence[int]) -> "Matcher":
@@ -139,6 +145,12 @@ class Matcher:
             self.failed = True
             log.warning("a constrained sequence took token %d its grammar does not allow (%s); it may only end "
                         "now", token, self._inner.get_error())
+        elif self._tracker is not None:
+            self._tracker.feed(self._token_bytes[token])
+
+    def cache_key(self) -> tuple | None:
+        """The key of its state in its grammar's mask cache; None without a cache or where the state has none."""
+        return self._tracker.key() if self._tracker is not None else None
 
     @property
     def done(self) -> bool:
@@ -150,7 +162,16 @@ class Matcher:
         if self.done:
             self.eos_only(row, self._eos)
             return
-        self._inner.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        self.fill_ptr(row.data_ptr(), row.numel() * 4)
+
+    def fill_ptr(self, ptr: int, size: int) -> None:
+        """Write a live matcher's next bitmask into the `size` bytes of host memory at `ptr`: its grammar's cached
+        mask where its state has a key there, else llguidance's. Every live row's mask takes this path."""
+        key = self.cache_key()
+        if key is None:
+            self._inner.unsafe_compute_mask_ptr(ptr, size)
+        else:
+            self._cache.fill(key, ptr, size, lambda: self._inner.unsafe_compute_mask_ptr(ptr, size))
 
     @staticmethod
     def eos_only(row: torch.Tensor, eos_ids: Sequence[int]) -> None:
@@ -202,9 +223,9 @@ class _ByteLevelVocab:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def _tokenizer_source(path: str, vocab_size: int, eos_id: int):
-    """What llguidance.LLTokenizer is built from: a byte-level BPE tokenizer.json through _ByteLevelVocab,
-    any other through llguidance's own reader."""
+def _byte_level_vocab(path: str, vocab_size: int, eos_id: int) -> _ByteLevelVocab | None:
+    """A byte-level BPE tokenizer.json as _ByteLevelVocab (llguidance.LLTokenizer is built from it); None for
+    any other, which llguidance's own reader takes."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     spec = json.loads(text)
@@ -213,8 +234,8 @@ def _tokenizer_source(path: str, vocab_size: int, eos_id: int):
     alphabet = set(byte_alphabet())
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("decoder")) \
             or not isinstance(vocab, dict) or any(not alphabet.issuperset(t) for t in vocab):
-        return path
-    return _llg().TokenizerWrapper(_ByteLevelVocab(spec, text, vocab_size, eos_id))
+        return None
+    return _ByteLevelVocab(spec, text, vocab_size, eos_id)
 
 
 class Grammars:
@@ -222,16 +243,30 @@ class Grammars:
 
     tokenizer_json: the checkpoint's tokenizer.json; vocab_size: the model's logit rows (ids past the
     tokenizer's are never allowed); eos_ids: the tokens that end a sequence (allowed where the grammar
-    may end, and alone once it has); threads: the mask threads (None: default_mask_threads())."""
+    may end, and alone once it has); threads: the mask threads (None: default_mask_threads()); mask_cache: one
+    of MASK_CACHE_MODES, HKV_GRAMMAR_MASK_CACHE (experimental, hkv/engine/mask_cache.py): json_schema masks
+    inside bounded strings cached by the matcher's place in its schema, on a byte-level BPE tokenizer only
+    (its tracker follows each token's bytes); `self.mask_cache` (None without) counts hits and misses."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], threads: int | None = None):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], threads: int | None = None,
+                 mask_cache: str = "off"):
+        if mask_cache not in MASK_CACHE_MODES:
+            raise ValueError(f"mask_cache {mask_cache!r}, want one of {MASK_CACHE_MODES}")
         llg = _llg()
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
-        self.tokenizer = llg.LLTokenizer(_tokenizer_source(tokenizer_json, vocab_size, self.eos_ids[0]), n_vocab=vocab_size,
-                                         eos_token=self.eos_ids)
+        byte_level = _byte_level_vocab(tokenizer_json, vocab_size, self.eos_ids[0])
+        self.tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(byte_level) if byte_level else tokenizer_json,
+                                         n_vocab=vocab_size, eos_token=self.eos_ids)
         self.executor = MaskWorkers(threads or default_mask_threads())
         self.words = mask_words(vocab_size)
+        self._token_bytes: list[bytes] = byte_level.tokens if byte_level else []
+        self.mask_cache: MaskCaches | None = None
+        if mask_cache != "off" and byte_level is None:
+            log.warning("HKV_GRAMMAR_MASK_CACHE is set but %s is not a byte-level BPE tokenizer: no mask cache",
+                        tokenizer_json)
+        elif mask_cache != "off":
+            self.mask_cache = MaskCaches(max(map(len, self._token_bytes)), verify=mask_cache == "verify")
 
     def matcher(self, constraint: Constraint, consumed: Sequence[int] = ()) -> Matcher:
         """A matcher at the start of the constraint's grammar, advanced past `consumed` (a resumed
@@ -240,7 +275,10 @@ class Grammars:
         inner = _guarded(f"the {constraint.kind}", lambda: _llg().LLMatcher(self.tokenizer, grammar, log_level=0))
         if inner.is_error():
             raise GrammarError(inner.get_error())
-        matcher = Matcher(inner, self.eos_ids)
+        cache = None
+        if self.mask_cache is not None and constraint.kind == "json_schema":
+            cache = self.mask_cache.for_grammar(grammar, constraint.spec)
+        matcher = Matcher(inner, self.eos_ids, cache, self._token_bytes)
         _guarded("replaying the output", lambda: [matcher.consume(token) for token in consumed])
         return matcher
 
@@ -285,7 +323,7 @@ class MaskWorkers:
         def work() -> None:
             for matcher, i in queue:
                 try:
-                    matcher._inner.unsafe_compute_mask_ptr(base + i * stride, stride)
+                    matcher.fill_ptr(base + i * stride, stride)
                 except (KeyboardInterrupt, SystemExit, GeneratorExit):
                     raise
                 except BaseException as exc:  # pyo3's PanicException derives from BaseException

@@ -97,9 +97,10 @@ class GrammarLoader:
     of a second for a 150k vocabulary) and waited for by the first constrained sequence."""
 
     def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_ids: Sequence[int],
-                 threads: int | None = None):
+                 threads: int | None = None, mask_cache: str = "off"):
         self.eos_ids = sorted(eos_ids)
         self._threads = threads  # the mask threads (--grammar-threads); None: grammar.default_mask_threads()
+        self._mask_cache = mask_cache  # HKV_GRAMMAR_MASK_CACHE's mode, grammar.MASK_CACHE_MODES
         self._grammars: Grammars | None = None
         self._error: str | None = None
         self._thread: threading.Thread | None = None
@@ -112,7 +113,7 @@ class GrammarLoader:
 
     def _load(self, path: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
         try:
-            self._grammars = Grammars(path, vocab_size, eos_ids, self._threads)
+            self._grammars = Grammars(path, vocab_size, eos_ids, self._threads, self._mask_cache)
         except Exception as exc:  # structured output refuses its requests; the rest serves on
             self._error = f"{type(exc).__name__}: {exc}"
             log.warning("structured output is unavailable: %s", self._error)
