@@ -171,7 +171,10 @@ class Tracker:
         for b in data:
             if self.lost:
                 return
-            self._byte(b)
+            try:
+                self._byte(b)
+            except ValueError:  # a \\u escape of non-hex digits (not JSON): a rank's consume must not raise
+                self.lost = True
 
     def _byte(self, b: int) -> None:
         if self.expect:

@@ -38,7 +38,8 @@ def test_partial_characters_and_escapes_are_pending_bytes():
     assert _key(b'{"tags": ["ab", "\\n') == ((TAGS, ("/tags", 0, 2)), ("/tags/items", 5, 0, b""))
 
 
-@pytest.mark.parametrize("data", [b'{"tags": ["ab", ', b'{"tag', b'{"tags": ["ab", "\\ud800x', b'{"tags": {'])
+@pytest.mark.parametrize("data", [b'{"tags": ["ab", ', b'{"tag', b'{"tags": ["ab", "\\ud800x', b'{"tags": {',
+                                  b'{"tags": ["\\uzzzzab'])
 def test_no_key_outside_a_value_string_or_where_the_tracker_cannot_follow(data):
     assert _key(data) is None
 
