@@ -1,13 +1,15 @@
 """How a host's CPUs fill structured output's token masks (issue 37): no GPU, no server.
 
     python -m tools.bench.bench_mask_threads --tokenizer TOKENIZER.json [--vocab V] [--rows 32] [--steps 80]
-                                             [--threads 1,2,4,8,12] [--busy 0,4] [--json out.json]
+                                             [--threads 1,2,4,8,12] [--busy 0,4] [--cache] [--json out.json]
 
 Walks `--rows` matchers of tools/bench/bench_structured's schema (bounded by default, `--schema unbounded`
 drops its maxLength) for `--steps` tokens each, tokens drawn uniformly from their masks (as a random-weight
 model picks), then replays the same walks and times each step's fill of all rows: hkv's MaskWorkers (the
 rank's row queue) and llguidance's LLExecutor, at each thread count, with `--busy` processes spinning beside
 (a served host's api, router and client keep cores busy). Prints the mean fill a step, the best of 2 replays.
+`--cache` adds the row queue with HKV_GRAMMAR_MASK_CACHE=1's cache (hkv/engine/mask_cache.py), warmed by one
+replay first, as a server's stays warm across a schema's requests.
 On a device host this tells the mask thread count to use (`--grammar-threads`) and how far the fill scales.
 """
 
@@ -74,6 +76,15 @@ def replay_ms(grammars: Grammars, constraint: Constraint, walks: list[list[int]]
     return total / len(walks[0]) * 1e3
 
 
+def _cached_ms(grammars: Grammars, constraint: Constraint, walks: list[list[int]], workers: MaskWorkers) -> float:
+    """replay_ms of the row queue on `grammars` (its mask cache on) once the first replay warmed it."""
+    def fill(matchers, masks):
+        fill_masks(matchers, masks, workers)
+
+    replay_ms(grammars, constraint, walks, fill)
+    return min(replay_ms(grammars, constraint, walks, fill) for _ in range(2))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", required=True, help="a tokenizer.json (Qwen's, or bench_grammar's 151k)")
@@ -84,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=80, help="tokens each row walks (default: 80)")
     parser.add_argument("--threads", type=_ints, default=[1, 2, 4, 8, 12], help="thread counts (default: 1,2,4,8,12)")
     parser.add_argument("--busy", type=_ints, default=[0, 4], help="spinning processes beside (default: 0,4)")
+    parser.add_argument("--cache", action="store_true", help="also the row queue with the mask cache on, warm")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.rows < 1 or args.steps < 1 or 0 in args.threads:
@@ -94,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = args.vocab or size
     eos = args.eos if args.eos >= 0 else size - 1
     grammars = Grammars(args.tokenizer, vocab, [eos], 1)
+    cached = Grammars(args.tokenizer, vocab, [eos], 1, mask_cache="on") if args.cache else None
     constraint = Constraint("json_schema", json.dumps(schema_of(args.schema)))
     print(f"{os.cpu_count()} CPUs ({len(os.sched_getaffinity(0))} usable); {args.rows} rows of the {args.schema} "
           f"schema, {args.steps} steps, vocabulary {vocab}", flush=True)
@@ -115,16 +128,24 @@ def main(argv: list[str] | None = None) -> dict:
                     llg = min(replay_ms(grammars, constraint, walks, lambda ms, m: executor.unsafe_compute_mask_ptr(
                         [(x._inner, i) for i, x in enumerate(ms)], m.data_ptr(), m.shape[1] * 4, m.shape[0]))
                         for _ in range(2))
+                    cache = _cached_ms(cached, constraint, walks, workers) if cached else None
                 finally:
                     workers.close()
-                results.append({"busy": busy, "threads": threads, "queue_ms": queue, "llexecutor_ms": llg})
-                print(f"busy {busy:2d}  threads {threads:2d}:  row queue {queue:7.3f} ms  LLExecutor {llg:7.3f} ms "
-                      f"a step ({args.rows} rows)", flush=True)
+                results.append({"busy": busy, "threads": threads, "queue_ms": queue, "llexecutor_ms": llg,
+                                "cached_ms": cache})
+                print(f"busy {busy:2d}  threads {threads:2d}:  row queue {queue:7.3f} ms  LLExecutor {llg:7.3f} ms"
+                      + (f"  cached {cache:7.3f} ms" if cache is not None else "") + f" a step ({args.rows} rows)",
+                      flush=True)
         finally:
             stop.set()
             for p in spinners:
                 p.join()
     out = {"cpus": os.cpu_count(), "rows": args.rows, "steps": args.steps, "schema": args.schema, "results": results}
+    if cached:
+        out["cache"] = {"hits": cached.mask_cache.hits, "misses": cached.mask_cache.misses,
+                        "bytes": cached.mask_cache.bytes}
+        print(f"mask cache: {cached.mask_cache.hits} hits, {cached.mask_cache.misses} misses, "
+              f"{cached.mask_cache.bytes / 2**20:.1f} MiB held", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -19,6 +19,14 @@ def test_it_reports_each_thread_count_and_load(tmp_path):
     assert json.loads(out.read_text()) == doc
 
 
+def test_the_cache_round_replays_warm():
+    doc = bench_mask_threads.main(["--tokenizer", str(SHIPPED_DIR / "tokenizer.json"), "--rows", "3", "--steps", "40",
+                                   "--threads", "1,2", "--busy", "0", "--cache"])
+    assert all(r["cached_ms"] > 0 for r in doc["results"])
+    # the warming replay missed; the 2 timed replays at each of 2 thread counts hit wherever it keyed
+    assert doc["cache"]["hits"] >= 4 * doc["cache"]["misses"] > 0
+
+
 def test_the_walks_stay_inside_the_schema():
     from hkv.engine.grammar import Grammars
     from hkv.ipc.messages import Constraint
