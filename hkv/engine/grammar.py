@@ -149,8 +149,16 @@ class Matcher:
             self._tracker.feed(self._token_bytes[token])
 
     def cache_key(self) -> tuple | None:
-        """The key of its state in its grammar's mask cache; None without a cache or where the state has none."""
-        return self._tracker.key() if self._tracker is not None else None
+        """The key of its state in its grammar's mask cache; None without a cache, where the state has none, or
+        where the tracker fails (then llguidance fills the mask: the cache may only ever save time)."""
+        if self._tracker is None:
+            return None
+        try:
+            return self._tracker.key()
+        except Exception:
+            log.exception("the grammar mask cache's tracker failed; this sequence's masks come from llguidance")
+            self._tracker = None
+            return None
 
     @property
     def done(self) -> bool:

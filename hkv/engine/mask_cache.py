@@ -173,8 +173,8 @@ class Tracker:
                 return
             try:
                 self._byte(b)
-            except ValueError:  # a \\u escape of non-hex digits (not JSON): a rank's consume must not raise
-                self.lost = True
+            except Exception:  # a \\u escape of non-hex digits, or bytes it cannot follow: a rank's consume must
+                self.lost = True  # not raise, and a lost tracker only gives no key (llguidance fills the mask)
 
     def _byte(self, b: int) -> None:
         if self.expect:
