@@ -69,6 +69,7 @@ class Node:
     properties: dict[str, "Node"] = field(default_factory=dict)
     required: frozenset[str] = frozenset()
     items: "Node | None" = None
+    item_step: int = 0  # an array's: the fewest bytes `, ` and one item take (min_bytes of items + 2)
     min_items: int = 0
     max_items: int | None = None
     min_length: int = 0
@@ -107,7 +108,8 @@ def compile_schema(schema: dict, path: str = "") -> Node:
         return Node("object", path, required=frozenset(required),
                     properties={n: compile_schema(s, f"{path}/{n}") for n, s in properties.items()})
     if kind == "array" and keys <= {"type", "items", "minItems", "maxItems"} and isinstance(schema.get("items"), dict):
-        return Node("array", path, items=compile_schema(schema["items"], f"{path}/items"),
+        items = compile_schema(schema["items"], f"{path}/items")
+        return Node("array", path, items=items, item_step=min_bytes(items) + 2,
                     min_items=_count(schema, "minItems", path) or 0, max_items=_count(schema, "maxItems", path))
     if kind == "string" and keys <= {"type", "minLength", "maxLength"}:
         return Node("string", path, min_length=_count(schema, "minLength", path) or 0,
@@ -127,7 +129,7 @@ def min_bytes(node: Node) -> int:
         members = [len(name) + 4 + min_bytes(node.properties[name]) for name in node.required]
         return 2 + sum(members) + 2 * max(len(members) - 1, 0)
     if node.kind == "array":
-        return 2 + node.min_items * (min_bytes(node.items) + 2) - (2 if node.min_items else 0)
+        return 2 + node.min_items * node.item_step - (2 if node.min_items else 0)
     return 4 if node.kind in ("boolean", "null") else 1
 
 
@@ -281,8 +283,7 @@ class Tracker:
             if node.kind == "object":
                 states.append((node.path, frame.keys))
                 continue
-            step = min_bytes(node.items) + 2  # `, ` and the fewest bytes of an item
-            cap = self.horizon // step + 2
+            cap = self.horizon // node.item_step + 2
             must = max(node.min_items - frame.index - 1, 0)
             may = None if node.max_items is None else node.max_items - frame.index - 1
             self.capped |= must > cap or may is not None and may > cap
