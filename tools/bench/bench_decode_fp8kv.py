@@ -44,6 +44,7 @@ from hkv_kernels.paged_attention.reference import paged_attention_ref
 from hkv_kernels.paged_attention.triton_paged_attention import (
     DecodeTile, decode_splits, decode_tile, launch_paged_decode, scaled_splits, wide_decode,
 )
+from tools.bench.bench_fp8_kernels import quick_bench  # do_bench's median over ~20 ms: enough to rank tiles
 
 GB = 1e9
 HEADS = (16, 2, 256, 16)  # query heads, KV heads, head dim, page size: the benchmark model's full attention
@@ -55,11 +56,6 @@ TOP_TILES = 3  # tiles of step 1 that step 2 tries at other split counts; re-tim
 KV_SCALES = (0.5, 2.0)  # (K, V): not 1.0, so a scale applied twice or never fails the check
 # the bounds of tests/kernels/helpers.py (relative L2 error against the fp32 reference; a test keeps them equal)
 REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
-def quick_bench(fn: Callable[[], object]) -> float:
-    """Median ms over ~20 ms of repeats (L2 flushed each): enough to rank candidates."""
-    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
 
 def candidates(current: DecodeTile) -> list[DecodeTile]:
