@@ -362,27 +362,29 @@ def test_fp8_kv_resolves_on_either_device():
     assert _resolve_kv_dtype("fp8_e4m3") == "float8_e4m3fn" and _resolve_kv_dtype("auto") == ""
 
 
+def _schedulers_under(monkeypatch, folder: str, variable: str, value: str | None):
+    """The scheduler config parse_cli makes with $variable set to value (None: unset), and the same config after
+    a round trip through its JSON (what a rank reads)."""
+    if value is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, value)
+    cfg = parse_cli(["--device", "cpu", "--model", folder])
+    shutil.rmtree(cfg.run_dir)
+    return cfg.scheduler, HkvConfig.from_json(cfg.to_json()).scheduler
+
+
 def test_the_grammar_device_wait_comes_from_its_variable_only_when_1(tmp_path, monkeypatch):
     folder = str(_qwen3_5_folder(tmp_path))
     for value, on in ((None, False), ("0", False), ("yes", False), ("1", True)):
-        if value is None:
-            monkeypatch.delenv("HKV_GRAMMAR_DEVICE_WAIT", raising=False)
-        else:
-            monkeypatch.setenv("HKV_GRAMMAR_DEVICE_WAIT", value)
-        cfg = parse_cli(["--device", "cpu", "--model", folder])
-        shutil.rmtree(cfg.run_dir)
-        assert cfg.scheduler.grammar_device_wait is on
-        assert HkvConfig.from_json(cfg.to_json()).scheduler.grammar_device_wait is on
+        parsed, read = _schedulers_under(monkeypatch, folder, "HKV_GRAMMAR_DEVICE_WAIT", value)
+        assert parsed.grammar_device_wait is on
+        assert read.grammar_device_wait is on
 
 
 def test_the_grammar_mask_cache_comes_from_its_variable_only_when_1_or_verify(tmp_path, monkeypatch):
     folder = str(_qwen3_5_folder(tmp_path))
     for value, mode in ((None, "off"), ("0", "off"), ("yes", "off"), ("1", "on"), ("verify", "verify")):
-        if value is None:
-            monkeypatch.delenv("HKV_GRAMMAR_MASK_CACHE", raising=False)
-        else:
-            monkeypatch.setenv("HKV_GRAMMAR_MASK_CACHE", value)
-        cfg = parse_cli(["--device", "cpu", "--model", folder])
-        shutil.rmtree(cfg.run_dir)
-        assert cfg.scheduler.grammar_mask_cache == mode
-        assert HkvConfig.from_json(cfg.to_json()).scheduler.grammar_mask_cache == mode
+        parsed, read = _schedulers_under(monkeypatch, folder, "HKV_GRAMMAR_MASK_CACHE", value)
+        assert parsed.grammar_mask_cache == mode
+        assert read.grammar_mask_cache == mode
