@@ -6,6 +6,7 @@ head's group) pairs, so a decode step (one token, G heads) and a prefill chunk
 group. Keys are gathered through the page table one block of BLOCK_N
 positions at a time with an online softmax (exp2 form). FP8 pages are read as fp8 * scale in the
 query's dtype, block by block (hkv_kernels/kv_quant.py), so the dots run as they do on bf16 pages.
+The split decode kernel has three more ways to read them (KV_DOT, a DecodeTile's `kv_dot`; KV_DOTS).
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def _attn_block(
     acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, kv_end, q_pos, k_head_off, v_head_off, d, d_mask,
     stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, k_scale, v_scale,
     MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+    KV_DOT: tl.constexpr,
 ):
+    """One block of keys into the online softmax. FP8 K/V (KV_DOTS): 0 read as fp8 * scale in q's dtype; 1 and 2
+    cast to q's dtype as stored (exact: e4m3 fits bfloat16 and float16), the caller folding k_scale into
+    qk_scale and v_scale into the output; 3 read as fp8 * scale in float16 (q is float16 then)."""
     j = start + tl.arange(0, BLOCK_N)  # [N] key positions
     j_mask = j < kv_end
     page = tl.load(pages_ptr + j // PAGE_SIZE, mask=j_mask, other=0).to(tl.int64)
@@ -36,8 +41,15 @@ def _attn_block(
     kv_mask = j_mask[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + k_head_off)[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + (page * stride_vp + off * stride_vs + v_head_off)[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    k = from_cache(k, k_scale, q.dtype, FP8)
-    v = from_cache(v, v_scale, q.dtype, FP8)
+    if KV_DOT == 0:
+        k = from_cache(k, k_scale, q.dtype, FP8)
+        v = from_cache(v, v_scale, q.dtype, FP8)
+    elif KV_DOT == 3:
+        k = k.to(tl.float16) * tl.cast(k_scale, tl.float16)
+        v = v.to(tl.float16) * tl.cast(v_scale, tl.float16)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
     if MASKED:
         s = tl.where(j_mask[None, :] & (j[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -93,13 +105,13 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, kv_end, q_pos, k_head_off, v_head_off,
             d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, k_scale, v_scale,
-            False, PAGE_SIZE, BLOCK_N, PRECISION, FP8,
+            False, PAGE_SIZE, BLOCK_N, PRECISION, FP8, 0,
         )
     for start in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, kv_end, q_pos, k_head_off, v_head_off,
             d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, k_scale, v_scale,
-            True, PAGE_SIZE, BLOCK_N, PRECISION, FP8,
+            True, PAGE_SIZE, BLOCK_N, PRECISION, FP8, 0,
         )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
@@ -120,9 +132,10 @@ def _paged_decode_split_kernel(
     num_seqs, q_heads, k_scale, v_scale,
     SPLITS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, KV_DOT: tl.constexpr,
 ):
-    """Decode (one query per sequence): split `split` of the sequence's keys, partial softmax state out."""
+    """Decode (one query per sequence): split `split` of the sequence's keys, partial softmax state out.
+    KV_DOT (FP8 pages; 0 otherwise): KV_DOTS; from 2 on the dots run in float16, q clamped to its range."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -135,6 +148,10 @@ def _paged_decode_split_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + q_row * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_DOT >= 2:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    if KV_DOT == 1 or KV_DOT == 2:
+        qk_scale = qk_scale * k_scale
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + kv_len - 1
     per = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), SPLITS) * BLOCK_N  # keys per split, whole blocks
     lo = split * per
@@ -148,14 +165,16 @@ def _paged_decode_split_kernel(
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, hi, q_pos, kv_head * stride_kh, kv_head * stride_vh,
             d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, k_scale, v_scale, False, PAGE_SIZE,
-            BLOCK_N, PRECISION, FP8,
+            BLOCK_N, PRECISION, FP8, KV_DOT,
         )
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _attn_block(
             acc, m_i, l_i, q, k_ptr, v_ptr, pages_ptr, start, hi, q_pos, kv_head * stride_kh, kv_head * stride_vh,
             d, d_mask, stride_kp, stride_ks, stride_vp, stride_vs, qk_scale, k_scale, v_scale, True, PAGE_SIZE,
-            BLOCK_N, PRECISION, FP8,
+            BLOCK_N, PRECISION, FP8, KV_DOT,
         )
+    if KV_DOT == 1 or KV_DOT == 2:
+        acc = acc * v_scale
     # partials laid out [seq, split, q head, ...]; an empty split leaves m = -1e30, l = 0
     part = (seq.to(tl.int64) * SPLITS + split) * q_heads + head  # [BM]
     tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask[:, None] & d_mask[None, :])
@@ -223,12 +242,28 @@ def decode_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
 class DecodeTile:
     """The split decode's tile: keys a block, warps, pipeline stages, and the split count as a multiple
     of decode_splits' (the launcher takes max(1, int(splits * split_scale))). paged_attention takes the
-    split path only where decode_splits gives more than one split, so the scale cannot turn it on."""
+    split path only where decode_splits gives more than one split, so the scale cannot turn it on.
+    kv_dot: how bfloat16 queries read FP8 pages (KV_DOTS; the split kernel's KV_DOT); other queries, and
+    other pages, always take 0."""
 
     block_n: int
     num_warps: int
     num_stages: int
     split_scale: float = 1.0
+    kv_dot: int = 0
+
+
+# The split decode's ways of reading FP8 pages (KV_DOT). Compiled for sm_90 (`compile_sm90` of
+# tools/bench/bench_decode_fp8kv.py, B32's tile, Triton 3.6), a pair of stored values takes: in 0, 6 instructions
+# (e4m3x2 -> f16x2, two f16 -> f32, two multiplies, f32x2 -> bf16x2), the tile then staged in shared memory
+# again in bf16 for the MMA (57 KB of shared memory); in 1, 3 (e4m3x2 -> f16x2, two f16 -> bf16) and in 2, 1
+# (e4m3x2 -> f16x2), both fusing the cast into the MMA operand loads, which read the FP8 tile from shared
+# memory a byte at a time (25.6 KB); in 3, 3 (e4m3x2 -> f16x2, two f16 multiplies), staged like 0. The sweep
+# says which is fastest. The float16 dots (2, 3) differ from the bfloat16 ones in rounding: float16 keeps
+# 3 more mantissa bits (the probabilities lose less), queries are clamped to +-65504, and in 3 a stored
+# value times its scale past 65504 overflows.
+KV_DOTS = {0: "fp8 * scale in the query's dtype", 1: "cast to the query's dtype, scales outside the dots",
+           2: "cast to float16, dots in float16, scales outside the dots", 3: "fp8 * scale in float16, dots in float16"}
 
 
 # sequences x KV heads (programs before the split) from which the wide tile applies
@@ -263,7 +298,7 @@ def launch_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, meta: KernelMeta,
     scale: float, out: torch.Tensor, gate: torch.Tensor | None = None, block_n: int | None = None,
     splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    kv_scales: tuple[float, float] = (1.0, 1.0),
+    kv_scales: tuple[float, float] = (1.0, 1.0), kv_dot: int | None = None,
 ) -> torch.Tensor:
     """Decode launcher (every sequence has one new token): keys split across programs, then reduced.
 
@@ -272,7 +307,8 @@ def launch_paged_decode(
     (tools/bench/bench_kernels.py decode_short: the benchmark model's 6 attention layers, Hq 16 / Hkv 2 /
     D 256, in a graph) measured 32 / 2 at 1.29x the 64 / 3 tile at B32 x 576 keys, 1.16x at B64 x 576
     and 1.02x at B64 x 4,096; at B1 it was not among the best.
-    block_n / splits / num_warps / num_stages override it (sweeps)."""
+    block_n / splits / num_warps / num_stages / kv_dot override it (sweeps; kv_dot applies to FP8 pages only,
+    whatever the queries' dtype)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -283,6 +319,10 @@ def launch_paged_decode(
     block_n = block_n or tile.block_n
     num_warps = num_warps or tile.num_warps
     num_stages = num_stages or tile.num_stages
+    if kv_dot is None:
+        kv_dot = tile.kv_dot if q.dtype == torch.bfloat16 else 0
+    if kv_dot not in KV_DOTS:
+        raise ValueError(f"kv_dot {kv_dot}: one of {sorted(KV_DOTS)}")
     part_o = torch.empty(num_seqs, splits, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(2, num_seqs, splits, num_q_heads, dtype=torch.float32, device=q.device)
     block_m = max(16, next_pow2(group))
@@ -292,7 +332,7 @@ def launch_paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0), scale * _LOG2E,
         num_seqs, num_q_heads, float(kv_scales[0]), float(kv_scales[1]),
         SPLITS=splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), FP8=fp8,
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=dot_precision(q.dtype), FP8=fp8, KV_DOT=kv_dot if fp8 else 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     gated = gate is not None

@@ -10,7 +10,7 @@ from hkv_kernels.fp8 import from_cache, to_cache
 from hkv_kernels.kv_quant import FP8, dequantize, quantize
 from hkv_kernels.meta import build_meta
 from hkv_kernels.paged_attention.reference import paged_attention_ref
-from hkv_kernels.paged_attention.triton_paged_attention import launch_paged_decode, paged_attention
+from hkv_kernels.paged_attention.triton_paged_attention import KV_DOTS, launch_paged_decode, paged_attention
 from hkv_kernels.rope.reference import attention_prep_ref
 from hkv_kernels.rope.triton_rope import attention_prep
 from tests.kernels.helpers import assert_close, cases, nan_like, rel_err
@@ -113,7 +113,10 @@ def test_paged_attention_reads_fp8_pages(device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", cases())
-def test_split_decode_reads_fp8_pages(device, dtype):
+@pytest.mark.parametrize("kv_dot", sorted(KV_DOTS))
+def test_split_decode_reads_fp8_pages(device, dtype, kv_dot):
+    """Each way of reading FP8 pages (KV_DOTS) against the reference, scales applied once: 2 and 3 run the dots
+    in float16, so they are held to float16's bound where the queries are float32."""
     gen = torch.Generator().manual_seed(3)
     kv_lens = [1, 15, 16, 17, 33, 64, 65, 7] if device == "cpu" else [1, 33, 576, 4000] * 8
     heads, kv_heads, dim, page = 8, 2, 16 if device == "cpu" else 256, 16
@@ -125,9 +128,17 @@ def test_split_decode_reads_fp8_pages(device, dtype):
     q = torch.randn(len(kv_lens), heads, dim, generator=gen).to(device, dtype)
     meta = build_meta([1] * len(kv_lens), kv_lens, device, heads // kv_heads, dim, dtype)
     out = launch_paged_decode(q, k.to(device), v.to(device), table.to(device), meta, dim**-0.5, nan_like(q),
-                              splits=3, kv_scales=SCALES)
+                              splits=3, kv_scales=SCALES, kv_dot=kv_dot)
     ref = paged_attention_ref(q.float().cpu(), k, v, table, [1] * len(kv_lens), kv_lens, dim**-0.5, SCALES)
-    assert_close(out, ref, dtype)
+    assert_close(out, ref, torch.float16 if kv_dot >= 2 and dtype == torch.float32 else dtype)
+
+
+def test_split_decode_refuses_an_unknown_kv_dot():
+    q = torch.randn(1, 2, 16)
+    k = quantize(torch.randn(2, 4, 1, 16), FP8, 1.0)
+    meta = build_meta([1], [5], "cpu", 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="kv_dot 4"):
+        launch_paged_decode(q, k, k.clone(), torch.arange(2).view(1, 2), meta, 0.25, torch.empty_like(q), kv_dot=4)
 
 
 def test_reference_reads_fp8_as_its_dequantized_values():

@@ -10,7 +10,7 @@ import hkv_kernels.paged_attention.triton_paged_attention as paged
 from hkv_kernels.kv_quant import FP8, quantize
 from hkv_kernels.meta import build_meta
 from hkv_kernels.paged_attention.triton_paged_attention import (
-    DECODE_TILES, DecodeTile, decode_tile, launch_paged_decode, scaled_splits,
+    DECODE_TILES, KV_DOTS, DecodeTile, decode_tile, launch_paged_decode, scaled_splits,
 )
 from tests.kernels.helpers import REL_TOL
 from tools.bench import bench_decode_fp8kv as sweep
@@ -57,11 +57,35 @@ def test_the_launcher_takes_the_tile_of_its_page_dtype(monkeypatch):
         assert reduce.launches[-1][1]["SPLITS"] == splits
 
 
+def test_the_tiles_kv_dot_applies_to_bfloat16_queries_on_fp8_pages(monkeypatch):
+    """A DECODE_TILES entry's kv_dot reaches the kernel for bf16 queries over FP8 pages only; float32 queries
+    (the exact path) and bf16 pages get 0, and an explicit kv_dot (the sweep's) applies to any FP8 pages."""
+    tile = DecodeTile(32, 4, 2, kv_dot=2)
+    monkeypatch.setattr(paged, "DECODE_TILES", {False: (tile, tile), True: (tile, tile)})
+    split = _Recorder()
+    monkeypatch.setattr(paged, "_paged_decode_split_kernel", split)
+    monkeypatch.setattr(paged, "_paged_decode_reduce_kernel", _Recorder())
+    meta = build_meta([1, 1], [5, 9], "cpu", 2, 16, torch.float32)
+    table = torch.arange(6).view(2, 3)
+    pages = torch.randn(6, 4, 2, 16)
+    for q_dtype, fp8, override, want in ((torch.bfloat16, True, None, 2), (torch.float32, True, None, 0),
+                                         (torch.bfloat16, False, None, 0), (torch.float32, True, 3, 3),
+                                         (torch.bfloat16, False, 3, 0)):
+        q = torch.randn(2, 4, 16).to(q_dtype)
+        k = quantize(pages, FP8, 1.0) if fp8 else pages.to(q_dtype)
+        launch_paged_decode(q, k, k.clone(), table, meta, 0.25, torch.empty_like(q), kv_dot=override)
+        assert split.launches[-1][1]["KV_DOT"] == want, (q_dtype, fp8, override)
+
+
 def test_candidates_put_the_current_tile_first_and_cover_the_grid():
     grid = sweep.candidates(DecodeTile(32, 4, 2))
     assert grid[0] == DecodeTile(32, 4, 2) and len(grid) == 12 == len(set(grid))
-    assert {(t.block_n, t.num_warps, t.num_stages, t.split_scale) for t in grid} == {
-        (n, w, s, 1.0) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)}
+    assert {(t.block_n, t.num_warps, t.num_stages, t.split_scale, t.kv_dot) for t in grid} == {
+        (n, w, s, 1.0, 0) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)}
+    # FP8 pages: the grid once for each way of reading them
+    fp8 = sweep.candidates(DecodeTile(32, 4, 2), fp8=True)
+    assert fp8[0] == DecodeTile(32, 4, 2) and len(fp8) == 12 * len(KV_DOTS) == len(set(fp8))
+    assert {t.kv_dot for t in fp8} == set(KV_DOTS)
     # a current entry off the grid (4 stages, a pasted split scale) comes first, then the 12
     for current in (DecodeTile(64, 4, 4), DecodeTile(64, 8, 2, 2.0)):
         assert sweep.candidates(current)[0] == current and len(sweep.candidates(current)) == 13
@@ -72,6 +96,9 @@ def test_split_variants_halve_and_double_the_fastest_tiles_once():
     assert sweep.split_variants(ranked, 9, ranked) == [
         DecodeTile(64, 8, 2, 0.5), DecodeTile(64, 8, 2, 2.0), DecodeTile(32, 4, 2, 0.5), DecodeTile(32, 4, 2, 2.0),
         DecodeTile(128, 4, 3, 0.5), DecodeTile(128, 4, 3, 2.0)]
+    # a kv_dot is kept, and tells tiles apart
+    assert sweep.split_variants([DecodeTile(64, 8, 2, kv_dot=2)], 9, ranked) == [
+        DecodeTile(64, 8, 2, 0.5, kv_dot=2), DecodeTile(64, 8, 2, 2.0, kv_dot=2)]
     # one split: halving it gives the split count already timed
     assert sweep.split_variants(ranked[:1], 1, ranked) == [DecodeTile(64, 8, 2, 2.0)]
     # a doubled current entry among the timed tiles: its plain form is only halved
@@ -85,6 +112,8 @@ def test_the_printed_table_line_is_the_source_line():
         assert sweep.table_entry(fp8, *DECODE_TILES[fp8]) in source
     assert sweep.table_entry(True, DecodeTile(64, 8, 3), DecodeTile(128, 4, 3, 2.0)) == (
         "    True: (DecodeTile(64, 8, 3), DecodeTile(128, 4, 3, 2.0)),")
+    assert sweep.table_entry(True, DecodeTile(64, 8, 3, kv_dot=2), DecodeTile(32, 4, 2, 0.5, kv_dot=3)) == (
+        "    True: (DecodeTile(64, 8, 3, kv_dot=2), DecodeTile(32, 4, 2, 0.5, kv_dot=3)),")
 
 
 def test_report_prints_the_fastest_tiles_of_b1_and_b32(capsys):
@@ -150,11 +179,12 @@ def test_the_section_runs_every_candidate_in_the_interpreter(monkeypatch, capsys
     out = capsys.readouterr().out
     assert "skipped" not in out, out
     rows = [(r["kernel"], r["shape"].split()[0]) for r in bench_kernels.ROWS]
-    for name in ("float32", "fp8_e4m3"):
-        # B1: the current (64, 4, 3) and the grid's (32, 4, 2), then the current halved and doubled (3 splits:
-        # 1 and 6); B2: the current, which is the grid's tile, halved and doubled; B3: the current only (B2's
-        # pick); each shape's re-timed best
-        assert [rows.count((f"decode_fp8kv {name}", b)) for b in ("B1", "B2", "B3")] == [4, 3, 1]
+    for name, dots in (("float32", 1), ("fp8_e4m3", len(KV_DOTS))):
+        # B1: the current (64, 4, 3) and the grid's (32, 4, 2) with each kv_dot on FP8 pages, then the current
+        # halved and doubled (3 splits: 1 and 6); B2: the current, which is the grid's tile (kv_dot 0), the others
+        # of the grid, then the current halved and doubled; B3: the current only (B2's pick); each shape's
+        # re-timed best
+        assert [rows.count((f"decode_fp8kv {name}", b)) for b in ("B1", "B2", "B3")] == [3 + dots, 2 + dots, 1]
         assert [rows.count((f"decode_fp8kv_best {name}", b)) for b in ("B1", "B2", "B3")] == [1, 1, 1]
     for fp8 in (True, False):
         assert sweep.table_entry(fp8, *DECODE_TILES[fp8]) in out.splitlines()

@@ -11,15 +11,16 @@ Shapes: B1 and B32 over 32,768 keys are swept (SHAPES); B64 over 4,096 (CHECKS) 
 tile and the B32 sweep's fastest, to show the wide pick holds there. B1 runs 6 layers' pages (each its
 own, as a step reads them) so that a replay is not mostly launch latency; the others one layer's.
 Candidates, per swept shape and page dtype:
-1. every TILE_GRID tile (block_n x num_stages x num_warps) at decode_splits' count, DECODE_TILES' entry
-   first (`candidates`);
+1. every TILE_GRID tile (block_n x num_stages x num_warps; on FP8 pages x each way of reading them, KV_DOTS:
+   the tile's `kv_dot`) at decode_splits' count, DECODE_TILES' entry first (`candidates`);
 2. the TOP_TILES fastest of those with the split count halved and doubled (`split_variants`).
 num_stages stops at 3: on sm_90 the K/V loads are pipelined (cp.async) from 2 stages on, and Triton 3.6
 compiles 3 and 4 stages to the same PTX (tests/tools/bench/test_bench_decode_fp8kv.py checks it with
 `compile_sm90`). Each variant is a compile of about a second that holds the GIL for most of it, so the
-candidate count (about 80 compiles in all) is what bounds the section's time.
+candidate count (about 150 compiles in all, 4 KV_DOTS on FP8 pages) is what bounds the section's time.
 Each candidate is checked against paged_attention_ref in fp32 on the same pages (FP8 ones dequantized),
-within the kernel tests' bound for the query dtype, then timed in a CUDA graph (quick_bench, L2 flushed
+within the kernel tests' bound for the query dtype (float16's for the float16 dots of kv_dot 2 and 3 under
+float32 queries, as tests/kernels/test_fp8_kv.py holds them), then timed in a CUDA graph (quick_bench, L2 flushed
 before each replay). A tile that fails to compile (shared memory, registers) or to match prints one
 "skipped" line and the rest go on.
 Printed: a row per candidate (ms, GB/s and % of copy bandwidth on the KV bytes read, speed against the
@@ -42,7 +43,7 @@ from hkv_kernels.meta import KernelMeta, build_meta
 from hkv_kernels.paged_attention import triton_paged_attention as paged
 from hkv_kernels.paged_attention.reference import paged_attention_ref
 from hkv_kernels.paged_attention.triton_paged_attention import (
-    DecodeTile, decode_splits, decode_tile, launch_paged_decode, scaled_splits, wide_decode,
+    KV_DOTS, DecodeTile, decode_splits, decode_tile, launch_paged_decode, scaled_splits, wide_decode,
 )
 from tools.bench.bench_fp8_kernels import quick_bench  # do_bench's median over ~20 ms: enough to rank tiles
 
@@ -58,18 +59,19 @@ KV_SCALES = (0.5, 2.0)  # (K, V): not 1.0, so a scale applied twice or never fai
 REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def candidates(current: DecodeTile) -> list[DecodeTile]:
-    """Step 1: the current tile, then every TILE_GRID tile at decode_splits' count (duplicates dropped)."""
-    grid = [DecodeTile(n, w, s) for n in TILE_GRID["block_n"] for s in TILE_GRID["num_stages"]
-            for w in TILE_GRID["num_warps"]]
+def candidates(current: DecodeTile, fp8: bool = False) -> list[DecodeTile]:
+    """Step 1: the current tile, then every TILE_GRID tile at decode_splits' count, on FP8 pages with each
+    KV_DOTS way of reading them (duplicates dropped)."""
+    grid = [DecodeTile(n, w, s, kv_dot=d) for d in (sorted(KV_DOTS) if fp8 else (0,)) for n in TILE_GRID["block_n"]
+            for s in TILE_GRID["num_stages"] for w in TILE_GRID["num_warps"]]
     return list(dict.fromkeys([current, *grid]))
 
 
 def split_variants(ranked: list[DecodeTile], auto: int, timed: list[DecodeTile]) -> list[DecodeTile]:
     """Step 2: the TOP_TILES first of `ranked` (fastest first) at each SPLIT_SCALES, leaving out any whose
     split count a timed tile of the same shape already ran (auto: decode_splits' count)."""
-    def key(t: DecodeTile) -> tuple[int, int, int, int]:
-        return t.block_n, t.num_warps, t.num_stages, scaled_splits(auto, t.split_scale)
+    def key(t: DecodeTile) -> tuple[int, int, int, int, int]:
+        return t.block_n, t.num_warps, t.num_stages, t.kv_dot, scaled_splits(auto, t.split_scale)
 
     seen = {key(t) for t in timed}
     out = []
@@ -83,14 +85,16 @@ def split_variants(ranked: list[DecodeTile], auto: int, timed: list[DecodeTile])
 
 
 def tile_label(tile: DecodeTile, auto: int) -> str:
-    """keys a block, warps, stages, the split count this shape gets."""
-    return f"n{tile.block_n} w{tile.num_warps} st{tile.num_stages} s{scaled_splits(auto, tile.split_scale)}"
+    """keys a block, warps, stages, the split count this shape gets, and a kv_dot other than 0."""
+    dot = f" dot{tile.kv_dot}" if tile.kv_dot else ""
+    return f"n{tile.block_n} w{tile.num_warps} st{tile.num_stages} s{scaled_splits(auto, tile.split_scale)}{dot}"
 
 
 def tile_source(tile: DecodeTile) -> str:
     """The tile as DECODE_TILES' source writes it."""
     scale = "" if tile.split_scale == 1.0 else f", {tile.split_scale}"
-    return f"DecodeTile({tile.block_n}, {tile.num_warps}, {tile.num_stages}{scale})"
+    dot = f", kv_dot={tile.kv_dot}" if tile.kv_dot else ""
+    return f"DecodeTile({tile.block_n}, {tile.num_warps}, {tile.num_stages}{scale}{dot})"
 
 
 def table_entry(fp8: bool, narrow: DecodeTile, wide: DecodeTile) -> str:
@@ -107,7 +111,7 @@ def compile_sm90(fp8: bool, tile: DecodeTile, splits: int):
     fn = paged._paged_decode_split_kernel
     hq, hkv, dim, page = HEADS
     consts = dict(SPLITS=splits, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_D=dim, PAGE_SIZE=page, BLOCK_M=16,
-                  BLOCK_N=tile.block_n, PRECISION="tf32", FP8=fp8)
+                  BLOCK_N=tile.block_n, PRECISION="tf32", FP8=fp8, KV_DOT=tile.kv_dot if fp8 else 0)
     pointers = dict(k_ptr="*fp8e4nv" if fp8 else "*bf16", q_ptr="*bf16", part_o_ptr="*fp32", part_ml_ptr="*fp32")
     signature = {name: "constexpr" if name in consts else pointers.get(name, "*i32" if name.endswith("_ptr") else
                  "fp32" if "scale" in name else "i32") for name in fn.arg_names}
@@ -159,7 +163,8 @@ def _launch(case: Case, fp8: bool, tile: DecodeTile, layer: int | None = None,
     for k, v in case.pages[fp8] if layer is None else case.pages[fp8][layer:layer + 1]:
         launch_paged_decode(case.q, k, v, case.table, case.meta, HEADS[2] ** -0.5, out, case.gate,
                             block_n=tile.block_n, splits=scaled_splits(case.auto, tile.split_scale),
-                            num_warps=tile.num_warps, num_stages=tile.num_stages, kv_scales=KV_SCALES)
+                            num_warps=tile.num_warps, num_stages=tile.num_stages, kv_scales=KV_SCALES,
+                            kv_dot=tile.kv_dot if fp8 else None)
     return out
 
 
@@ -253,7 +258,7 @@ def sweep(row: Callable, bench: Callable, case: Case, fp8: bool, only: list[Deco
                 row(f"decode_fp8kv {name}", f"{shape} {label}", ms, gbytes=gbytes, base_name="current tile",
                     base_ms=times.get(current))
 
-    step1 = candidates(current) if only is None else list(dict.fromkeys([current, *only]))
+    step1 = candidates(current, fp8) if only is None else list(dict.fromkeys([current, *only]))
     run(step1)
     if only is None:
         run(split_variants(sorted(times, key=times.get), case.auto, step1))
@@ -275,7 +280,7 @@ def _checked_ms(case: Case, fp8: bool, tile: DecodeTile, ref: torch.Tensor, erro
                 what: str) -> float | None:
     """The tile's quick ms if it compiled (error None) and layer 0's output is within the queries' dtype's
     REL_TOL of ref, else None and a "skipped" line."""
-    tol = REL_TOL[case.q.dtype]
+    tol = check_tol(case.q.dtype, tile.kv_dot if fp8 else 0)
     if error is None:
         try:
             err = _rel(_launch(case, fp8, tile, 0, torch.full_like(case.q, float("nan"))), ref)
@@ -286,6 +291,12 @@ def _checked_ms(case: Case, fp8: bool, tile: DecodeTile, ref: torch.Tensor, erro
             error = _first_line(exc)
     print(f"{what}: skipped ({error})", flush=True)
     return None
+
+
+def check_tol(dtype: torch.dtype, kv_dot: int) -> float:
+    """The bound a candidate's output is held to: its queries' dtype's, float16's for float16 dots (kv_dot 2
+    and 3) under float32 queries."""
+    return REL_TOL[torch.float16 if kv_dot >= 2 and dtype == torch.float32 else dtype]
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -9,6 +9,8 @@
 #   sweep   the split decode attention alone over bf16 and FP8 pages of the benchmark model's attention shapes
 #           (B1 / B32 x 32768 keys, B64 x 4096): tiles x split counts, each checked against the reference
 #           (tools/bench/bench_decode_fp8kv.py via bench_kernels --only decode_fp8kv; ~1-3 min, mostly compiles)
+#           With decode as well, the sweep runs first and its FP8 pick is pasted into the device's copy of
+#           DECODE_TILES (tools/bench/paste_decode_tiles.py), so that the decode step runs it in the same call.
 #   run: bash tools/gpu/gpu_fp8kv.sh [parts: tests,serve,decode,sweep; default tests,serve,decode]
 # Results: $OUT/fp8kv_decode.json, $OUT/fp8kv_sweep.json (every row) with $OUT/fp8kv_sweep.log (the whole
 # output), and the log $OUT/gpu_fp8kv.log. Look for: the tests passing, "same tokens: True",
@@ -48,9 +50,21 @@ EOF
     stop
   }
 fi
+if wants sweep; then
+  say "decode attention over bf16 and FP8 pages: tiles x split counts (bench_kernels --only decode_fp8kv)"
+  timeout 420 python3 -m tools.bench.bench_kernels --only decode_fp8kv --json "$OUT/fp8kv_sweep.json" 2>&1 \
+    | grep -v Warning | tee "$OUT/fp8kv_sweep.log" | grep -Ev "^decode_fp8kv .*% of copy" | tee -a "$LOG"
+  if wants decode; then
+    # the decode part below then runs the sweep's FP8 picks: pasted into this machine's copy of the source only
+    say "pasting the sweep's FP8 DECODE_TILES line into this copy of the source for the decode part"
+    python3 -m tools.bench.paste_decode_tiles "$OUT/fp8kv_sweep.log" 2>&1 | tee -a "$LOG"
+  fi
+fi
 if wants decode; then
   say "decode step of the 1.99 B benchmark model, B32 x 32768 tokens of context: bf16 KV, then FP8 KV"
-  timeout 420 python3 -m tools.bench.bench_decode --batches 1,32 --context 32768 --iters 20 --graphs-only \
+  # at most 420 s, and within the call's 600 s where parts ran before it (SECONDS: this script's time so far)
+  left=$(( 580 - SECONDS )); left=$(( left > 420 ? 420 : (left < 60 ? 60 : left) ))
+  timeout "$left" python3 -m tools.bench.bench_decode --batches 1,32 --context 32768 --iters 20 --graphs-only \
     --kv-cache-dtype bfloat16,fp8_e4m3 --json "$OUT/fp8kv_decode.json" 2>&1 | grep -v Warning | tee -a "$LOG"
   python3 - "$OUT/fp8kv_decode.json" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, sys
@@ -61,11 +75,6 @@ for b in (1, 32):
         print(f"FP8 KV speed-up at B{b} x 32768: {bf16 / fp8:.2f}x ({bf16:.3f} ms bf16 KV, {fp8:.3f} ms FP8 KV)"
               + ("  (the issue's bar: >= 1.3x)" if b == 32 else ""))
 EOF
-fi
-if wants sweep; then
-  say "decode attention over bf16 and FP8 pages: tiles x split counts (bench_kernels --only decode_fp8kv)"
-  timeout 420 python3 -m tools.bench.bench_kernels --only decode_fp8kv --json "$OUT/fp8kv_sweep.json" 2>&1 \
-    | grep -v Warning | tee "$OUT/fp8kv_sweep.log" | grep -Ev "^decode_fp8kv .*% of copy" | tee -a "$LOG"
 fi
 [[ -n $SERVER_PID ]] && kill -TERM "$SERVER_PID" 2>/dev/null
 exit 0
