@@ -3,7 +3,11 @@
 # (tools/bench/make_bench_model.py --preset qwen3.5-27b: 16 layers, 17.3 GB bf16), in-process decode steps at
 # B = 1, 32, 64 with the profiler's top kernels, and its served numbers (a real hkv-launch server driven by
 # hkv-bench at concurrency 1, 32 and 64, against the memory roofline measured on the same card).
-#   run: bash tools/gpu/gpu_large.sh [parts: decode,served; default both]   (carry .whl: fla-core, serving wheels)
+# Part wave: the same server with --chunked-prefill-size 32768, so that a wave of 64 prompts of 512 tokens is
+# prefilled in one step, at concurrency 64 only: TPOT then carries no prefill chunk of the same wave (at the default
+# 8192 a request of the wave's first chunk decodes through its three later chunks; docs/benchmarks.md).
+#   run: bash tools/gpu/gpu_large.sh [parts: decode,served,wave; default decode,served]   (carry .whl: fla-core,
+#   serving wheels)
 # Results: $OUT/large_*.json and $OUT/gpu_large.log.
 set -uo pipefail
 source tools/gpu/common.sh  # OUT, the carried wheels, PYTHONPATH; start/stop of a server
@@ -37,6 +41,19 @@ if wants served; then
     say "served decode against the roofline (every weight, K/V of 576, states read and written)"
     python3 -m tools.bench.moe_roofline --model "$MODEL" --measure --results "${results[@]}" \
       --json "$OUT/large_roofline.json" 2>&1 | grep -v Warning | tee -a "$LOG"
+  }
+fi
+if wants wave; then
+  bench_model "$MODEL" "the qwen3.5-27b preset model (17.3 GB)" --preset qwen3.5-27b
+  say "server: the qwen3.5-27b preset, bf16, 64 running, a whole wave of 64 x 512 prompt tokens in one step"
+  start s_large_wave --max-running-requests 64 --gpu-memory-fraction "${GPU_FRACTION:-0.8}" \
+    --chunked-prefill-size 32768 && {
+    timeout 300 python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --no-progress \
+      --json "$OUT/large_wave_c64.json" --workload random --input-len 512 --range-ratio 1 --output-len 128 \
+      --num-prompts 128 --concurrency 64 --warmup 2 2>&1 | tail -22 | sed "s/^/[wave c64] /" | tee -a "$LOG"
+    stop
+    python3 -m tools.bench.moe_roofline --model "$MODEL" --measure --results "c64=$OUT/large_wave_c64.json" \
+      --json "$OUT/large_wave_roofline.json" 2>&1 | grep -v Warning | tee -a "$LOG"
   }
 fi
 [[ -n $SERVER_PID ]] && kill -TERM "$SERVER_PID" 2>/dev/null
