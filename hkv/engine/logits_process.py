@@ -243,9 +243,10 @@ class LogitsProcessor:
         self._bias(sub, states)
         self._penalties(sub, states)
         if masks is not None:
+            at = self._upload(masks[0], torch.long)  # before the wait: nothing behind it allocates pinned memory
             if before_mask is not None:
                 before_mask()
-            self._mask(sub, *masks)
+            self._mask(sub, at, masks[1])
         logits.index_copy_(0, index, sub)
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -293,12 +294,12 @@ class LogitsProcessor:
         live = _fill_rows([m for _, m in picked], masks, self.grammars)
         return ([r for r, _ in picked], masks), live
 
-    def _mask(self, sub: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
-        """-inf where the grammar rows' masks leave a bit clear."""
+    def _mask(self, sub: torch.Tensor, at: torch.Tensor, masks: torch.Tensor) -> None:
+        """-inf where the grammar rows' masks ([G, words] host) leave a bit clear; `at`: their rows of `sub` ([G],
+        on the device). Queues device work only: a device-side wait may sit in front of it (hkv/engine/mask_wait.py)."""
         bits = masks.to(self.device, non_blocking=True)  # [G, words], from pinned memory
         shifts = torch.arange(32, dtype=torch.int32, device=self.device)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, : self.vocab_size]
-        at = self._upload(rows, torch.long)
+        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(masks.shape[0], -1)[:, : self.vocab_size]
         sub.index_copy_(0, at, sub.index_select(0, at).masked_fill(allowed == 0, float("-inf")))
 
     def _mask_buffer(self, rows: int, words: int) -> torch.Tensor:
@@ -306,19 +307,29 @@ class LogitsProcessor:
         the old one."""
         return torch.empty(rows, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
 
-    def sampled(self, slots: Sequence[int], rows: list[int], ids: torch.Tensor) -> None:
+    def sampled(self, slots: Sequence[int], rows: list[int], ids: torch.Tensor,
+                counted: tuple[torch.Tensor, torch.Tensor] | None = None, uploaded: bool = False) -> None:
         """The step's sampled ids ([S] on the device) are in: add the processed rows' to their counts, and
-        mark their matchers one token behind until `consume` gives them the token."""
-        counted = [(i, self.slots[slots[i]].row) for i in rows if self.slots[slots[i]].row is not None]
-        if counted:
-            at = self._upload([i for i, _ in counted], torch.long)
-            pool = self._upload([r for _, r in counted], torch.long)
-            self.counts.index_put_((pool, ids.index_select(0, at)), torch.ones(len(counted), dtype=torch.int32,
+        mark their matchers one token behind until `consume` gives them the token. `uploaded`: `counted` is
+        count_rows' answer, taken before (then this queues device work only), else it is taken here."""
+        if not uploaded:
+            counted = self.count_rows(slots, rows)
+        if counted is not None:
+            at, pool = counted
+            self.counts.index_put_((pool, ids.index_select(0, at)), torch.ones(at.shape[0], dtype=torch.int32,
                                                                                device=self.device), accumulate=True)
         for i in rows:
             state = self.slots[slots[i]]
             if state.matcher is not None:
                 state.behind += 1
+
+    def count_rows(self, slots: Sequence[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the step rows, their count rows) on the device of the processed rows whose tokens count toward
+        penalties, or None: what `sampled` uploads, for a caller that must upload before a device-side wait."""
+        counted = [(i, self.slots[slots[i]].row) for i in rows if self.slots[slots[i]].row is not None]
+        if not counted:
+            return None
+        return self._upload([i for i, _ in counted], torch.long), self._upload([r for _, r in counted], torch.long)
 
     def consume(self, slot: int, req_id: int, tokens: Sequence[int]) -> None:
         """A step's tokens for `slot` reached the host: its matcher advances (a slot since handed to

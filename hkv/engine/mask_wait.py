@@ -15,6 +15,10 @@ releases all (otherwise the device waits forever and the rank hangs in its teard
 
 Only steps whose every row samples on the device (greedy, no logprobs) wait here: a host-side sample would read
 the logits at launch, before the fill that the same thread starts later, and deadlock. The others sample late.
+For the same reason nothing queued behind a wait allocates pinned host memory: a cudaHostAlloc (a page-locked
+allocation, which the CUDA programming guide lists among the implicitly synchronizing operations) could block the
+rank's thread until the device drains, while the device waits for a fill that thread has yet to start. Their
+host-to-device uploads and the sampled ids' pinned buffer are taken before the wait is queued.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from hkv.engine.host_flag import FlagSequence
 from hkv.engine.logits_process import DeferredMasks, LogitsProcessor
-from hkv.engine.sampler import PendingSample, sample_async
+from hkv.engine.sampler import PendingSample, pinned_ids, sample_async, samples_on_device
 
 if TYPE_CHECKING:
     from hkv.engine.model_runner import LateSample
@@ -86,9 +90,12 @@ class MaskWait:
         `last_tokens` on the device. A failure releases the wait (it may be queued already) and raises."""
         value = self.take()
         try:
+            # uploads and pinned buffers first: behind the wait only device work is queued (module docstring)
+            host = pinned_ids(len(late.rows)) if samples_on_device(late.logits, late.rows) else None
+            counted = processor.count_rows(slots, late.processed)
             masks = processor.apply_deferred(late.logits, slots, late.processed, lambda: self.queue_wait(value))
-            pending = sample_async(late.logits, late.rows)
-            processor.sampled(slots, late.processed, pending.ids)
+            pending = sample_async(late.logits, late.rows, host)
+            processor.sampled(slots, late.processed, pending.ids, counted, uploaded=True)
             last_tokens.index_copy_(0, late.sample_rows, pending.ids)
         except BaseException:
             self.release(value)

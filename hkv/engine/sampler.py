@@ -67,12 +67,19 @@ def samples_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> bool:
     return logits.is_cuda and all(r.sampling.temperature <= 0 and r.sampling.logprobs is None for r in rows)
 
 
-def sample_async(logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
+def pinned_ids(rows: int) -> torch.Tensor:
+    """A pinned host buffer for `rows` sampled ids (int64): sample_async's, allocated ahead by a caller that queues
+    a device-side wait in between (hkv/engine/mask_wait.py)."""
+    return torch.empty(rows, dtype=torch.long, pin_memory=True)
+
+
+def sample_async(logits: torch.Tensor, rows: list[SampleRow], host: torch.Tensor | None = None) -> PendingSample:
     """`sample`, without waiting for the device when every row is greedy and wants no logprobs
-    (the decode path): argmax on the device, a non-blocking copy of the ids to the host."""
+    (the decode path): argmax on the device, a non-blocking copy of the ids to the host (into `host`, a
+    pinned_ids buffer of len(rows), where given)."""
     if samples_on_device(logits, rows):
         ids = logits.argmax(dim=-1)
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host = pinned_ids(ids.shape[0]) if host is None else host
         host.copy_(ids, non_blocking=True)
         return PendingSample(ids, host=host)
     outs = sample(logits, rows)

@@ -3,7 +3,11 @@ the device-side wait as without it (one at a time, so that batching cannot chang
 after a request's first has its grammar row behind, the deferred path), the ranks log that the wait is on, and all
 of them at once beside plain ones (several grammar rows a step, filled on the mask threads) keep to their
 constraints. Its one GPU run (2026-12-05) printed nothing before the call's limit; `DEVICE_WAIT=tests bash
-tools/gpu/gpu_structured.sh` runs it alone, its -v output in $OUT/device_wait_tests.log."""
+tools/gpu/gpu_structured.sh` runs it alone, its -v output in $OUT/device_wait_tests.log. A suspect found since on
+the CPU: a launch allocated pinned host memory behind its own wait (the ids' buffer, the mask rows' upload, the
+penalty counts' upload), which may block the rank's thread until the device drains, a deadlock while the device
+waits for a fill that thread has yet to start; launches now take them before the wait
+(tests/engine/test_mask_wait.py)."""
 
 from __future__ import annotations
 

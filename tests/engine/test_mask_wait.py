@@ -231,7 +231,7 @@ def test_a_launch_that_fails_after_its_wait_releases_it(loader, monkeypatch):
     first = driver.plan([(0, [5, 6, 7]), (1, [8, 9])], [])
     launched = runner.launch(StepPlan(1, new, first.chunks, []))
 
-    def broken(logits, rows):
+    def broken(*args):
         raise RuntimeError("sampling failed")
 
     monkeypatch.setattr(mask_wait, "sample_async", broken)
@@ -240,4 +240,57 @@ def test_a_launch_that_fails_after_its_wait_releases_it(loader, monkeypatch):
     assert flag.waits == [1] and flag.sets == [1]
     assert runner.finish(launched).error is None
     assert runner.finish(nxt).error is not None
+    runner.mask_wait.close()
+
+
+def test_nothing_queued_behind_a_wait_uploads_or_allocates_pinned_memory(loader, monkeypatch):
+    """A pinned allocation (or an upload from one) behind the wait could block the rank's thread until the device
+    drains, while the device waits for a fill that thread starts only after the launch: each deferred launch
+    uploads its rows, penalty counts included, and takes the ids' pinned buffer before it queues its wait."""
+    from hkv.engine import sampler
+    from tests.engine.test_model_runner import _decode_plan
+
+    events: list[str] = []
+
+    class OrderFlag(RecordingFlag):
+        def wait(self, value: int) -> None:
+            super().wait(value)
+            events.append("wait")
+
+    def pinned(rows: int) -> torch.Tensor:
+        events.append("pin")
+        return torch.empty(rows, dtype=torch.long)
+
+    real_upload = LogitsProcessor._upload
+
+    def upload(self, values, dtype):
+        events.append("upload")
+        return real_upload(self, values, dtype)
+
+    # the runner and MaskWait take the device path; the sampler itself (torch.cuda events) stays on the host path
+    for module in (model_runner, mask_wait):
+        monkeypatch.setattr(module, "samples_on_device", lambda logits, rows: True)
+    monkeypatch.setattr(mask_wait, "pinned_ids", pinned)
+    monkeypatch.setattr(sampler, "pinned_ids", pinned)  # would the sampler allocate its own, it would show
+    monkeypatch.setattr(LogitsProcessor, "_upload", upload)
+    monkeypatch.setattr(LogitsProcessor, "_mask_buffer",
+                        lambda self, rows, words: torch.zeros(rows, words, dtype=torch.int32))
+    flag = OrderFlag()
+    runner, driver = _runner(loader, flag)
+    constrained = SamplingParams(max_tokens=16, presence_penalty=0.5, constraint=Constraint("regex", "[a-z]+"))
+    new = [NewSequence(0, 100, constrained), NewSequence(1, 101, SamplingParams(max_tokens=16))]
+    first = driver.plan([(0, [5, 6, 7]), (1, [8, 9])], [])
+    launched = runner.launch(StepPlan(1, new, first.chunks, []))
+    for step in range(2, 5):
+        start = len(events)
+        nxt = runner.launch(_decode_plan(driver, step, None))
+        assert nxt.fill is not None, "a deferred launch"
+        seen = events[start:]
+        assert seen.count("wait") == 1 and "pin" in seen and "upload" in seen, seen
+        assert seen[seen.index("wait") + 1:] == [], seen  # nothing after the wait
+        assert runner.finish(launched).error is None
+        runner.complete(nxt)
+        launched = nxt
+    assert runner.finish(launched).error is None
+    assert flag.sets == [1, 2, 3]
     runner.mask_wait.close()
