@@ -12,7 +12,9 @@
 # then run the bounded schema with --grammar-threads 1, 2 and 8, one restart each (THREADS="1 2 8"; RESTART=0
 # skips them; their lines are in the log). About 7 minutes with DEVICE_WAIT=1 on a fresh machine; DEVICE_WAIT=tests runs
 # only the device wait's GPU tests. MASK_CACHE=1 adds restarts with HKV_GRAMMAR_MASK_CACHE=1 (the bounded schema, with
-# and, under DEVICE_WAIT=1, also with the device wait): $OUT/structured_mask_cache_wait{0,1}.json.
+# and, under DEVICE_WAIT=1, also with the device wait): $OUT/structured_mask_cache_wait{0,1}.json. WAIT_TESTS=0 skips
+# the device wait's tests under DEVICE_WAIT=1 (a call after the one that ran them), UNBOUNDED=0 the unbounded round:
+#   MASK_CACHE=1 DEVICE_WAIT=1 WAIT_TESTS=0 UNBOUNDED=0 RESTART=0 bash tools/gpu/gpu_structured.sh   (about 6 minutes)
 # Results: $OUT/structured.json, $OUT/structured_unbounded.json, $OUT/startup_*.log and $OUT/gpu_structured.log
 # (with DEVICE_WAIT=1 also $OUT/structured_device_wait.json and $OUT/device_wait_tests.log).
 set -uo pipefail
@@ -40,9 +42,11 @@ say "server: the benchmark model, bf16, 64 running"
 start s_structured --max-running-requests 64 && {
   timeout 400 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
     --json "$OUT/structured.json" 2>&1 | tee -a "$LOG"
-  say "the same server, the schema without maxLength (llguidance's cheap case: is the bounded string the cost?)"
-  timeout 200 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
-    --schema unbounded --json "$OUT/structured_unbounded.json" 2>&1 | tee -a "$LOG"
+  if [[ ${UNBOUNDED:-1} == 1 ]]; then
+    say "the same server, the schema without maxLength (llguidance's cheap case: is the bounded string the cost?)"
+    timeout 200 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 --constrained 32 \
+      --schema unbounded --json "$OUT/structured_unbounded.json" 2>&1 | tee -a "$LOG"
+  fi
   say "mask figures since start (hkv_engine_grammar_*: steps, fill seconds, live rows, late wait seconds)"
   curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^hkv_engine_(grammar_|steps_total|step_seconds_total|graph_steps_total)" \
     | tee -a "$LOG"
@@ -50,7 +54,7 @@ start s_structured --max-running-requests 64 && {
   stop
   grep -h "done in\|ready in" /tmp/s_structured.err /tmp/s_structured.out | tee "$OUT/startup_first.log" >/dev/null
   if [[ ${DEVICE_WAIT:-0} == 1 ]]; then  # before the thread restarts: what the next call most needs
-    device_wait_tests
+    [[ ${WAIT_TESTS:-1} == 1 ]] && device_wait_tests
     say "start again with HKV_GRAMMAR_DEVICE_WAIT=1: the bounded schema, masks filled off the rank's main thread"
     export HKV_GRAMMAR_DEVICE_WAIT=1  # the launcher's config reads it; the ranks get it in their config
     start s_structured --max-running-requests 64 && {
