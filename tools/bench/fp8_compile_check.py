@@ -39,6 +39,8 @@ def compile_tile(tile: fp8.Fp8Tile, split: bool = False):
     else:
         fn = fp8._fp8_dot_kernel if tile.kind == "dot" else fp8._fp8_mm_kernel
         consts = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION="tf32")
+    if tile.kind != "mm":
+        consts.update(SCALE_OUT=tile.scale_out)
     consts.update(SCALE_BLOCK=fp8.BLOCK, EVEN_K=True, HAS_BIAS=False)
     types = {**TYPES, "out_ptr": "*fp32" if split else "*bf16"}  # K-split partials are fp32
     signature = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
