@@ -237,10 +237,23 @@ def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypat
     assert all(r["ms"] < 1 and r["host_ms"] == 2.0 for r in sweep_rows)
     headline = [r for r in bench_kernels.ROWS if r["kernel"] in ("fp8_gemm_even", "fp8_gemm_ragged")]
     assert len(headline) == 4 and all(r["ms"] < 1 and r["host_ms"] == 3.0 for r in headline)
-    # the last candidate was timed last on every shape, so it has the lowest step total in device time
+    # the last candidate (a scale_out variant) was timed last on every shape, so it has the lowest step total in
+    # device time, and its printed entry is what DECODE_TILES would hold for it
     for rows in (1, 16):
         last = fp8_bench.candidates(rows)[-1]
-        assert f'DECODE_TILES entry for M <= {rows}: ({rows}, Fp8Tile("{last.kind}", {last.block_m}, ' in out
+        entry = out.split(f"DECODE_TILES entry for M <= {rows}: ", 1)[1].splitlines()[0]
+        assert last.scale_out and eval(entry.rstrip(","), {"Fp8Tile": Fp8Tile}) == (rows, last)  # noqa: S307
         step = next(r for r in bench_kernels.ROWS if r["kernel"] == "fp8_sweep_step_best" and r["shape"] == f"M{rows}")
         assert step["host_ms"] == 3 * 2.0 and step["ms"] < 3 * 1
     assert out.count("acceptance 3 at M = 1:") == 1
+
+
+def test_the_fp8_sweep_tries_scale_out_on_the_current_tile_and_the_next_two():
+    from tools.bench.bench_fp8_kernels import SWEEP_ROWS, candidates, tile_label
+
+    for rows in SWEEP_ROWS:
+        tiles = candidates(rows)
+        dequant = [t for t in tiles if not t.scale_out]
+        assert tiles[0] == fit_rows(dict(DECODE_TILES)[rows], rows) and len(set(tiles)) == len(tiles) <= 13
+        assert [t for t in tiles if t.scale_out] == [replace(t, scale_out=True) for t in dequant[:3]]
+        assert tile_label(tiles[-1]).endswith(" so") and not tile_label(tiles[0]).endswith(" so")
