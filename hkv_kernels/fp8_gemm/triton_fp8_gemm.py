@@ -23,15 +23,16 @@ Three kernels, picked per batch size by `fp8_tile` (the `kind` of an Fp8Tile):
 
 That scalar can multiply the step's fp32 sums instead of every weight: an Fp8Tile with scale_out runs
 the gemv as s * sum(fp32(q) * x) and the dot as acc += dot(q, x) * s (one FMA per accumulator element).
-Dequantizing takes about 5 instructions a weight element on sm_90 (e4m3x2 -> f16x2, f16 -> f32, the
-multiply, the rounding to bf16, and in the gemv back to f32); at M = 1 the gemv must take in about 13
-weight bytes a clock per SM to read at copy bandwidth, so instruction issue rather than memory may bound
-it, and scale_out leaves the conversion and the product. It is off in every default tile until the GPU
-sweep (tools/bench/bench_fp8_kernels.py) picks it, because it rounds differently: the weight is never
-rounded to the activation dtype (fp8 values, and their products with bf16 or fp16 activations, are exact
-in fp32), so the result is nearer the exact product with the fp8 weights than the reference, and an FP8
-model then differs from its dequantized twin by the reference's weight rounding (up to 2^-9 relative a
-bf16 weight), not by accumulation order alone.
+On sm_90 dequantizing adds to the conversion the product needs anyway a multiply, a rounding to bf16
+and, in the gemv, a widening back to f32: the M = 1 gemv's loop runs 9.3 SASS instructions a weight
+element with it and 6.0 with scale_out (docs/kernels.md). At M = 1 the gemv must take in about 13
+weight bytes a clock per SM to read at copy bandwidth, so instruction issue rather than memory may
+bound it. scale_out is off in every default tile until the GPU sweep (tools/bench/bench_fp8_kernels.py)
+picks it, because it rounds differently: the weight is never rounded to the activation dtype (fp8
+values, and their products with bf16 or fp16 activations, are exact in fp32), so the result is nearer
+the exact product with the fp8 weights than the reference, and an FP8 model then differs from its
+dequantized twin by the reference's weight rounding (up to 2^-9 relative a bf16 weight), not by
+accumulation order alone.
 
 Few output tiles leave SMs idle: the K loop is then split over SPLIT programs that write fp32 partial
 sums, added afterwards by one small kernel in split order (no atomics, so the result does not depend
