@@ -5,7 +5,8 @@ Weight-only: the activations stay in the model dtype and each weight tile is deq
 registers, (fp32(q) * scale) rounded to the activation dtype, before it meets x. At decode (1 to 64
 rows) the GEMM is bound by reading the weights, so one byte a weight instead of two is the whole
 gain, and the dequantized tile equals the reference's weight element for element: an FP8 model
-differs from its dequantized bf16 twin only by accumulation order (every path accumulates in fp32).
+differs from its dequantized bf16 twin only by accumulation order (every path accumulates in fp32),
+unless a tile sets scale_out (below).
 (Quantizing the activations per token group, as DeepSeek's block FP8 does, would add a pass over x
 and rounding the reference does not have, for compute that decode does not lack.)
 
@@ -19,6 +20,19 @@ Three kernels, picked per batch size by `fp8_tile` (the `kind` of an Fp8Tile):
 - "mm" (prefill): activations on the M side, 64 or 128 rows per tile.
 "gemv" and "dot" tiles have BLOCK_N dividing 128, so one program's rows share a scale row and each
 128-column step needs one scalar scale.
+
+That scalar can multiply the step's fp32 sums instead of every weight: an Fp8Tile with scale_out runs
+the gemv as s * sum(fp32(q) * x) and the dot as acc += dot(q, x) * s (one FMA per accumulator element).
+On sm_90 dequantizing adds to the conversion the product needs anyway a multiply, a rounding to bf16
+and, in the gemv, a widening back to f32: the M = 1 gemv's loop runs 9.3 SASS instructions a weight
+element with it and 6.0 with scale_out (docs/kernels.md). At M = 1 the gemv must take in about 13
+weight bytes a clock per SM to read at copy bandwidth, so instruction issue rather than memory may
+bound it. scale_out is off in every default tile until the GPU sweep (tools/bench/bench_fp8_kernels.py)
+picks it, because it rounds differently: the weight is never rounded to the activation dtype (fp8
+values, and their products with bf16 or fp16 activations, are exact in fp32), so the result is nearer
+the exact product with the fp8 weights than the reference, and an FP8 model then differs from its
+dequantized twin by the reference's weight rounding (up to 2^-9 relative a bf16 weight), not by
+accumulation order alone.
 
 Few output tiles leave SMs idle: the K loop is then split over SPLIT programs that write fp32 partial
 sums, added afterwards by one small kernel in split order (no atomics, so the result does not depend
@@ -44,6 +58,14 @@ from hkv_kernels.meta import next_pow2
 def _dequant(q, s, dtype: tl.constexpr):
     """fp8 tile times its block's scale, in fp32, rounded to the activation dtype (the reference's weight)."""
     return (q.to(tl.float32) * s).to(dtype)
+
+
+@triton.jit
+def _scaled(sums, s, SCALE_OUT: tl.constexpr):
+    """A step's fp32 sums times its scale where the weights went in undequantized (SCALE_OUT), else as they are."""
+    if SCALE_OUT:
+        sums = sums * s
+    return sums
 
 
 @triton.jit
@@ -80,7 +102,7 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_sn, stride_om, stride_os,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_OUT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     row0 = tl.program_id(1) * ROWS
@@ -104,14 +126,20 @@ def _fp8_gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         q_next = _w_tile(w_ptrs + BLOCK_K, col_ok, ks, k_end - k0 - BLOCK_K, EVEN_K)
         s = tl.load(s_row + k0 // SCALE_BLOCK)  # BLOCK_K divides 128: one scale per step
-        w = _dequant(q, s, dtype).to(tl.float32)  # [BN, BK], the reference's weights
+        if SCALE_OUT:  # s scales the sums: fp8 values, and their products with x, are exact in fp32
+            w = q.to(tl.float32)  # [BN, BK]
+        else:
+            w = _dequant(q, s, dtype).to(tl.float32)  # [BN, BK], the reference's weights
         k_ok = ks < k_end - k0
-        acc0 += tl.sum(w * _x_row(x_ptrs, row0 < M, k_ok, EVEN_K)[None, :], axis=1)
+        acc0 += _scaled(tl.sum(w * _x_row(x_ptrs, row0 < M, k_ok, EVEN_K)[None, :], axis=1), s, SCALE_OUT)
         if ROWS > 1:
-            acc1 += tl.sum(w * _x_row(x_ptrs + stride_xm, row0 + 1 < M, k_ok, EVEN_K)[None, :], axis=1)
+            x1 = _x_row(x_ptrs + stride_xm, row0 + 1 < M, k_ok, EVEN_K)
+            acc1 += _scaled(tl.sum(w * x1[None, :], axis=1), s, SCALE_OUT)
         if ROWS > 2:
-            acc2 += tl.sum(w * _x_row(x_ptrs + 2 * stride_xm, row0 + 2 < M, k_ok, EVEN_K)[None, :], axis=1)
-            acc3 += tl.sum(w * _x_row(x_ptrs + 3 * stride_xm, row0 + 3 < M, k_ok, EVEN_K)[None, :], axis=1)
+            x2 = _x_row(x_ptrs + 2 * stride_xm, row0 + 2 < M, k_ok, EVEN_K)
+            x3 = _x_row(x_ptrs + 3 * stride_xm, row0 + 3 < M, k_ok, EVEN_K)
+            acc2 += _scaled(tl.sum(w * x2[None, :], axis=1), s, SCALE_OUT)
+            acc3 += _scaled(tl.sum(w * x3[None, :], axis=1), s, SCALE_OUT)
         q = q_next
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -129,7 +157,7 @@ def _fp8_dot_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_sn, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SCALE_OUT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -154,7 +182,10 @@ def _fp8_dot_kernel(
             q = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         s = tl.load(s_row + k0 // SCALE_BLOCK)  # BLOCK_K divides 128: one scale per step
-        acc = tl.dot(_dequant(q, s, dtype), a, acc, input_precision=PRECISION)  # [BN, BM]
+        if SCALE_OUT:  # fp8 values are exact in every dot dtype: a fresh dot per step, then one FMA
+            acc += tl.dot(q.to(dtype), a, input_precision=PRECISION) * s  # [BN, BM]
+        else:
+            acc = tl.dot(_dequant(q, s, dtype), a, acc, input_precision=PRECISION)  # [BN, BM]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -231,7 +262,11 @@ class Fp8Tile:
     activation row's [BLOCK_K] load has fewer elements than the program has threads: Triton then loads it
     straight into the weight tile's layout, where a larger one keeps its own coalesced layout and goes
     through shared memory every step, see isExpensiveLoadOrStore). split_k: programs over K, or None to
-    split until the grid has about per_sm programs per SM.
+    split until the grid has about per_sm programs per SM. scale_out (gemv and dot only): multiply each
+    step's fp32 sums by the step's scale instead of dequantizing every weight, which saves a multiply and
+    two conversions per weight element where decode may be bound by instruction issue (module docstring: it
+    rounds differently from the reference). "mm" refuses it: prefill has tensor-core work to hide the
+    dequantization behind.
     """
 
     kind: str
@@ -242,10 +277,13 @@ class Fp8Tile:
     num_stages: int
     split_k: int | None = None
     per_sm: int = 2
+    scale_out: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Fp8Tile kind {self.kind!r} is not one of {KINDS}")
+        if self.scale_out and self.kind == "mm":
+            raise ValueError(f"{self}: scale_out is a decode-kernel variant (gemv, dot); mm does not take it")
         steps_ok = BLOCK % self.block_k == 0 and (self.kind != "gemv" or self.block_k <= 16 * self.num_warps)
         rows_ok = self.block_m in (1, 2, 4) if self.kind == "gemv" else self.block_m >= 16
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.num_warps))
@@ -316,8 +354,11 @@ def _launch(tile: Fp8Tile, x2, weight, scale, bias, target, m: int, n: int, k: i
     common = dict(SCALE_BLOCK=BLOCK, EVEN_K=k % tile.block_k == 0, HAS_BIAS=bias is not None,
                   num_warps=tile.num_warps, num_stages=tile.num_stages)
     if tile.kind == "gemv":
-        _fp8_gemv_kernel[grid](*args, ROWS=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **common)
+        _fp8_gemv_kernel[grid](*args, ROWS=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                               SCALE_OUT=tile.scale_out, **common)
         return
+    if tile.kind == "dot":  # the mm kernel has no SCALE_OUT (Fp8Tile refuses it)
+        common.update(SCALE_OUT=tile.scale_out)
     kernel = _fp8_dot_kernel if tile.kind == "dot" else _fp8_mm_kernel
     kernel[grid](*args, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                  PRECISION=dot_precision(x2.dtype), **common)

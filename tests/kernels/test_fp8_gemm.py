@@ -48,6 +48,11 @@ def _cases_with_fp16() -> list:
     return [*cases(), cpu16]
 
 
+# every gemv and dot case runs as the reference rounds (dequantized weights) and with the step scale applied
+# to the sums instead (Fp8Tile.scale_out), which skips the weights' rounding to dtype: within the same bound
+SCALE_OUT = pytest.mark.parametrize("scale_out", [False, True], ids=["dequant", "scale-out"])
+
+
 def _check_fp8_linear(device, dtype, m, n, k, bias, tile):
     q, scale = _fp8_weight(n, k, seed=m + n)
     gen = torch.Generator().manual_seed(k)
@@ -69,6 +74,7 @@ def test_fp8_linear_matches_the_dequantized_reference(device, dtype, m, n, k, bi
     _check_fp8_linear(device, dtype, m, n, k, bias, tile)
 
 
+@SCALE_OUT
 @pytest.mark.parametrize("device,dtype", _cases_with_fp16())
 @pytest.mark.parametrize("m,n,k,bias,tile", [
     (1, 256, 512, False, Fp8Tile("gemv", 1, 16, 64, 4, 1, 1)),  # one row, every shape even
@@ -78,10 +84,11 @@ def test_fp8_linear_matches_the_dequantized_reference(device, dtype, m, n, k, bi
     (2, 64, 1000, True, Fp8Tile("gemv", 2, 128, 128, 8, 1, 2)),  # a tile taller than N, K ends mid-step
     (6, 96, 256, False, Fp8Tile("gemv", 2, 32, 64, 4, 1, 8)),  # more splits asked than K has blocks
 ], ids=["m1", "m1-ragged-bias", "m3-split", "m5-two-groups-bias", "m2-tall-bias", "split-capped"])
-def test_fp8_gemv_matches_the_dequantized_reference(device, dtype, m, n, k, bias, tile):
-    _check_fp8_linear(device, dtype, m, n, k, bias, tile)
+def test_fp8_gemv_matches_the_dequantized_reference(device, dtype, m, n, k, bias, tile, scale_out):
+    _check_fp8_linear(device, dtype, m, n, k, bias, replace(tile, scale_out=scale_out))
 
 
+@SCALE_OUT
 @pytest.mark.parametrize("device,dtype", _cases_with_fp16())
 @pytest.mark.parametrize("m,n,k,bias,tile", [
     (1, 256, 256, False, Fp8Tile("dot", 16, 64, 128, 4, 2, 1)),  # one row padded to the dot's 16
@@ -89,17 +96,19 @@ def test_fp8_gemv_matches_the_dequantized_reference(device, dtype, m, n, k, bias
     (19, 128, 512, True, Fp8Tile("dot", 16, 32, 128, 4, 2, 4)),  # two row blocks, split K with bias
     (40, 300, 384, False, Fp8Tile("dot", 32, 128, 32, 4, 2, 2)),  # K steps of 32 inside a scale block
 ], ids=["m1", "m7-ragged-bias", "m19-split-bias", "m40-split"])
-def test_fp8_dot_matches_the_dequantized_reference(device, dtype, m, n, k, bias, tile):
-    _check_fp8_linear(device, dtype, m, n, k, bias, tile)
+def test_fp8_dot_matches_the_dequantized_reference(device, dtype, m, n, k, bias, tile, scale_out):
+    _check_fp8_linear(device, dtype, m, n, k, bias, replace(tile, scale_out=scale_out))
 
 
+@SCALE_OUT
 @pytest.mark.parametrize("m", [1, 3, 4, 9, 33, 64])
-def test_fp8_linear_default_tiles_run_every_decode_bucket(m):
+def test_fp8_linear_default_tiles_run_every_decode_bucket(m, scale_out):
     """fp8_tile's own pick for bf16 (DECODE_TILES), run in fp32 in the interpreter on a CPU (the tile's
-    shape is what is under test; a split needs an SM count, so the CPU gets none)."""
+    shape is what is under test; a split needs an SM count, so the CPU gets none), as the sweep would
+    paste it with and without scale_out."""
     tile = fp8_tile(m, 200, 384, torch.bfloat16, torch.device("cpu"))
     assert tile.kind == ("gemv" if m == 1 else "dot")
-    _check_fp8_linear("cpu", torch.float32, m, 200, 384, True, tile)
+    _check_fp8_linear("cpu", torch.float32, m, 200, 384, True, replace(tile, scale_out=scale_out))
 
 
 @pytest.mark.gpu
@@ -151,6 +160,13 @@ def test_k_split_keeps_whole_scale_blocks_and_steps():
 def test_fp8_tile_refuses_shapes_its_kernel_cannot_run(args):
     with pytest.raises(ValueError):
         Fp8Tile(*args)
+
+
+def test_fp8_tile_takes_scale_out_on_the_decode_kinds_only():
+    assert Fp8Tile("gemv", 1, 128, 64, 4, 1, scale_out=True).scale_out
+    assert Fp8Tile("dot", 16, 64, 128, 4, 4, scale_out=True).scale_out
+    with pytest.raises(ValueError, match="scale_out"):
+        Fp8Tile("mm", 64, 128, 128, 8, 3, 1, scale_out=True)
 
 
 def _fp8_experts(num_experts, hidden, inter, seed):
@@ -221,10 +237,25 @@ def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypat
     assert all(r["ms"] < 1 and r["host_ms"] == 2.0 for r in sweep_rows)
     headline = [r for r in bench_kernels.ROWS if r["kernel"] in ("fp8_gemm_even", "fp8_gemm_ragged")]
     assert len(headline) == 4 and all(r["ms"] < 1 and r["host_ms"] == 3.0 for r in headline)
-    # the last candidate was timed last on every shape, so it has the lowest step total in device time
+    # the last candidate (a scale_out variant) was timed last on every shape, so it has the lowest step total in
+    # device time, and its printed entry is what DECODE_TILES would hold for it
     for rows in (1, 16):
         last = fp8_bench.candidates(rows)[-1]
-        assert f'DECODE_TILES entry for M <= {rows}: ({rows}, Fp8Tile("{last.kind}", {last.block_m}, ' in out
+        entry = out.split(f"DECODE_TILES entry for M <= {rows}: ", 1)[1].splitlines()[0]
+        assert last.scale_out and eval(entry.rstrip(","), {"Fp8Tile": Fp8Tile}) == (rows, last)  # noqa: S307
         step = next(r for r in bench_kernels.ROWS if r["kernel"] == "fp8_sweep_step_best" and r["shape"] == f"M{rows}")
         assert step["host_ms"] == 3 * 2.0 and step["ms"] < 3 * 1
     assert out.count("acceptance 3 at M = 1:") == 1
+
+
+def test_the_fp8_sweep_tries_the_current_tile_and_the_next_two_with_scale_out_flipped():
+    """Whichever way the current DECODE_TILES entry sets scale_out, the sweep times both (and the label tells
+    them apart)."""
+    from tools.bench.bench_fp8_kernels import SWEEP_ROWS, candidates, tile_label
+
+    for rows in SWEEP_ROWS:
+        tiles = candidates(rows)
+        assert tiles[0] == fit_rows(dict(DECODE_TILES)[rows], rows) and len(set(tiles)) == len(tiles) <= 13
+        assert all(replace(t, scale_out=not t.scale_out) in tiles for t in tiles[:3])
+        assert all(tile_label(replace(t, scale_out=True)) == tile_label(replace(t, scale_out=False)) + " so"
+                   for t in tiles if t.kind != "mm")

@@ -1,6 +1,7 @@
 """Compile the FP8 GEMM's tiles for an H100/H200 (sm_90) on a machine without a GPU, and print what the
-compiler made of each: registers, shared memory, wgmma use, layout conversions, and the order of the
-gemv loop's weight loads against its arithmetic.
+compiler made of each: registers, shared memory, wgmma use, layout conversions, the main loop's
+instructions per weight element with its conversions and multiplies, and the order of the gemv loop's
+weight loads against its arithmetic.
 
     python3 -m tools.bench.fp8_compile_check [--rows 1,4,16,32,64]
 
@@ -16,6 +17,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -39,6 +41,8 @@ def compile_tile(tile: fp8.Fp8Tile, split: bool = False):
     else:
         fn = fp8._fp8_dot_kernel if tile.kind == "dot" else fp8._fp8_mm_kernel
         consts = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION="tf32")
+    if tile.kind != "mm":
+        consts.update(SCALE_OUT=tile.scale_out)
     consts.update(SCALE_BLOCK=fp8.BLOCK, EVEN_K=True, HAS_BIAS=False)
     types = {**TYPES, "out_ptr": "*fp32" if split else "*bf16"}  # K-split partials are fp32
     signature = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
@@ -75,6 +79,29 @@ def loop_order(sass: str) -> str:
     return " ".join(f"{c}{n}" for c, n in runs[:24]) + (" ..." if len(runs) > 24 else "")
 
 
+def loop_ops(sass: str) -> Counter:
+    """Opcodes of the kernel's main loop: the longest span from a backward branch's target to the branch."""
+    line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][^;]*);"  # address, opcode and operands, no predicate
+    ins = [(int(addr, 16), op) for addr, op in re.findall(line, sass)]
+    body: list[str] = []
+    for addr, op in ins:
+        target = re.match(r"BRA\b.*?0x([0-9a-f]+)", op)
+        if target and int(target.group(1), 16) < addr:
+            span = [o for a, o in ins if int(target.group(1), 16) <= a <= addr]
+            body = max(body, span, key=len)
+    return Counter(op.split()[0] for op in body)
+
+
+def loop_cost(tile: fp8.Fp8Tile, sass: str) -> str:
+    """The main loop's instructions per weight element a thread handles each step, and its conversions and
+    float multiplies: what dequantizing costs per weight byte (scale_out's reason to exist)."""
+    ops = loop_ops(sass)
+    per_thread = tile.block_n * tile.block_k / (32 * tile.num_warps)
+    picked = " ".join(f"{op} {n}" for op, n in sorted(ops.items())
+                      if op.startswith(("F2F", "HADD2.F32", "FMUL", "FFMA")))
+    return f"loop {sum(ops.values()) / per_thread:.2f} a weight ({picked})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(str(r) for r, _ in fp8.DECODE_TILES))
@@ -94,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             ttgir = compiled.asm["ttgir"]
             print(f"M{rows} {tile_label(tile)}: regs {regs.group(1) if regs else '?'} stack "
                   f"{stack.group(1) if stack else '?'} smem {compiled.metadata.shared} wgmma "
-                  f"{'yes' if 'warp_group_dot' in ttgir else 'no'} convert_layout {ttgir.count('ttg.convert_layout')}"
-                  + (f" loop {loop_order(sass)}" if tile.kind == "gemv" else ""), flush=True)
+                  f"{'yes' if 'warp_group_dot' in ttgir else 'no'} convert_layout {ttgir.count('ttg.convert_layout')} "
+                  + loop_cost(tile, sass) + (f" order {loop_order(sass)}" if tile.kind == "gemv" else ""), flush=True)
     return 1 if failed else 0
 
 
