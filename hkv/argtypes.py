@@ -49,3 +49,14 @@ def grammar_threads(text: str) -> int:
     if not 1 <= value <= MAX_GRAMMAR_THREADS:
         raise argparse.ArgumentTypeError(f"must be in 1..{MAX_GRAMMAR_THREADS}, got {text}")
     return value
+
+
+def batch_sizes(text: str, limit: int) -> tuple[int, ...]:
+    """Comma-separated batch sizes, each from 1 to limit, sorted without repeats; ValueError says the rule."""
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise ValueError("decode batch sizes separated by commas, e.g. 1,32,64") from None
+    if sizes[0] < 1 or sizes[-1] > limit:
+        raise ValueError(f"batch sizes from 1 to --max-running-requests ({limit})")
+    return sizes

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 
+from hkv.argtypes import batch_sizes
 from hkv.engine.validate import MAX_SPEC_TOKENS
 from hkv.ipc.rundir import create_run_dir
 from hkv.keys import KeyHash  # noqa: F401  (re-exported: the api and tests take it from here)
@@ -38,10 +39,9 @@ class ConfigError(ValueError):
 class ModelSpec:
     """What every actor needs to know about the served model, read once at the CLI.
 
-    Built by `hkv.models.loader.describe_model` from config.json (through the
-    model family's own parser, so the rank builds exactly this model) and the
-    tokenizer (EOS ids, the chat template's tool-call format). Nothing else parses config.json to learn
-    these facts.
+    Built by `hkv.models.loader.describe_model` from config.json (through the model family's own parser, so the
+    rank builds exactly this model) and the tokenizer (EOS ids, the chat template's tool-call format). Nothing else
+    parses config.json to learn these facts.
     """
 
     family: str  # config.json model_type
@@ -91,6 +91,8 @@ class ModelConfig:
     # --kv-cache-dtype resolved: the KV pages' dtype when it is not the model's (float8_e4m3fn); "" = dtype
     kv_dtype: str = ""
     quantize: str = "none"  # --quantize: none | fp8 (a float checkpoint's projections in block FP8)
+    profile_rows: tuple[int, ...] = ()  # $HKV_PROFILE_STEPS: decode batch sizes to profile (hkv/engine/step_profile.py)
+    profile_dir: str = ""  # $HKV_PROFILE_DIR, absolute: where the ranks write their step profiles ("": the log only)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -229,8 +231,6 @@ class HkvConfig:
                             self.spec.spec_tokens)
 
 
-
-
 def user_cache_dir() -> Path:
     """The user's cache folder: $XDG_CACHE_HOME, else ~/.cache."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -242,12 +242,6 @@ def builtin_cache_dir() -> str:
     if env:
         return env
     return str(user_cache_dir() / "hkv")
-
-
-def _not_built_yet(args: argparse.Namespace) -> list[str]:
-    """Flags whose features have not landed: refusing them beats silently ignoring them."""
-    given: dict[str, bool] = {}
-    return [flag for flag, set_ in given.items() if set_]
 
 
 def _check_combinations(args: argparse.Namespace) -> None:
@@ -452,6 +446,17 @@ def _resolve_dtype(requested: str, device: str, declared: str | None) -> str:
     return declared if declared in DTYPES[1:] else "bfloat16"
 
 
+def _profile_steps(max_running: int) -> dict:
+    """ModelConfig's profile fields from $HKV_PROFILE_STEPS and $HKV_PROFILE_DIR; ConfigError on a bad list."""
+    raw = os.environ.get("HKV_PROFILE_STEPS", "").strip()
+    try:
+        rows = batch_sizes(raw, max_running) if raw else ()
+    except ValueError as exc:
+        raise ConfigError(f"HKV_PROFILE_STEPS={raw!r}: {exc}") from None
+    folder = os.environ.get("HKV_PROFILE_DIR", "") if rows else ""
+    return {"profile_rows": rows, "profile_dir": str(Path(folder).absolute()) if folder else ""}
+
+
 def _cpu_threads() -> int:
     """Intra-op threads for a CPU rank: spinning OpenMP threads that share cores with the
     api and router slow small forwards tenfold, so keep two cores free when there are few."""
@@ -552,9 +557,6 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     """Parse and validate flags, read the model's description, resolve "auto" values;
     raises ConfigError or exits 2."""
     args = build_parser().parse_args(argv)
-    pending = _not_built_yet(args)
-    if pending:
-        raise ConfigError(f"not implemented yet: {pending[0]}")
     _check_combinations(args)
     device = _resolve_device(args.device)
     cache_dir = builtin_cache_dir()
@@ -574,7 +576,8 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec,
                           cuda_graph_max_bs=_graph_max_bs(args, max_running, on_cpu),
-                          compile_cache_dir=compile_cache_dir, kv_dtype=kv_dtype, quantize=args.quantize),
+                          compile_cache_dir=compile_cache_dir, kv_dtype=kv_dtype, quantize=args.quantize,
+                          **_profile_steps(max_running)),
         cache=cache,
         scheduler=SchedulerConfig(
             max_running_requests=max_running,

@@ -388,3 +388,28 @@ def test_the_grammar_mask_cache_comes_from_its_variable_only_when_1_or_verify(tm
         parsed, read = _schedulers_under(monkeypatch, folder, "HKV_GRAMMAR_MASK_CACHE", value)
         assert parsed.grammar_mask_cache == mode
         assert read.grammar_mask_cache == mode
+
+
+def test_the_step_profile_comes_from_its_variables(tmp_path, monkeypatch):
+    """$HKV_PROFILE_STEPS: decode batch sizes (sorted, deduplicated) up to --max-running-requests, with
+    $HKV_PROFILE_DIR made absolute; a malformed or out-of-range list is a ConfigError naming the variable."""
+    folder = str(_qwen3_5_folder(tmp_path))
+    monkeypatch.chdir(tmp_path)
+
+    def model_under(steps: str | None, folder_var: str | None = None):
+        for name, value in (("HKV_PROFILE_STEPS", steps), ("HKV_PROFILE_DIR", folder_var)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        cfg = parse_cli(["--device", "cpu", "--model", folder, "--max-running-requests", "8"])
+        shutil.rmtree(cfg.run_dir)
+        return cfg.model, HkvConfig.from_json(cfg.to_json()).model
+
+    for parsed in model_under(None):
+        assert parsed.profile_rows == () and parsed.profile_dir == ""
+    for parsed in model_under("8, 1,1", "profiles"):
+        assert parsed.profile_rows == (1, 8) and parsed.profile_dir == str(tmp_path / "profiles")
+    for bad, message in (("1,x", "decode batch sizes separated by commas"), ("0", "from 1 to"), ("9", r"\(8\)")):
+        with pytest.raises(ConfigError, match=rf"HKV_PROFILE_STEPS='{bad}'.*{message}"):
+            model_under(bad)

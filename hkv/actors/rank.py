@@ -355,7 +355,12 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
         address = runner.pair.address if runner.pair is not None and cfg.server.mode == "decode" else ""
         await outbox.send(RankReady(ctx.rank, pages, slots, uuid, address))
         ctx.ready(rank=ctx.rank)
-        await run_until_stopped(_step_loop(ctx, inbox, outbox, runner), ctx.stop)
+        profiler = None
+        if cfg.model.profile_rows:  # $HKV_PROFILE_STEPS (hkv/engine/step_profile.py)
+            from hkv.engine.step_profile import StepProfiler
+
+            profiler = StepProfiler(cfg.model.profile_rows, cfg.model.profile_dir, ctx.rank, cfg.model.tp, runner.device)
+        await run_until_stopped(_step_loop(ctx, inbox, outbox, runner, profiler), ctx.stop)
     finally:
         if runner is not None and runner.mask_wait is not None:
             runner.mask_wait.close()  # a step in flight waiting for masks must not hold the device (and teardown)
@@ -374,12 +379,13 @@ async def serve(cfg: HkvConfig, ctx: ActorContext) -> None:
             host_region.close()
 
 
-async def _step_loop(ctx: ActorContext, inbox, outbox, runner: ModelRunner) -> None:
+async def _step_loop(ctx: ActorContext, inbox, outbox, runner: ModelRunner, profiler=None) -> None:
     """Keep the device fed: the router sends the next plan before the last one's result is in,
     so the rank launches it behind the step on the device, then answers that step.
 
         plan n launched ... plan n+1 arrives -> launch n+1 -> answer n -> (n+1 runs) ...
-    """
+
+    profiler: a StepProfiler ($HKV_PROFILE_STEPS), told of every launch and of the rank going idle."""
     running = None  # a launched plan not yet answered
     # on CPU a launch computes the whole step, so launching the next first would only delay this answer
     behind = runner.device.type == "cuda"
@@ -390,10 +396,14 @@ async def _step_loop(ctx: ActorContext, inbox, outbox, runner: ModelRunner) -> N
             if running is not None:
                 await _answer(ctx, inbox, outbox, runner, running)
                 running = None
+            if profiler is not None:
+                profiler.idle()
             if msg is None:
                 continue
             return
         # 2. launch it behind the running one, 3. answer the running one (rank 0 for the group)
+        if profiler is not None:
+            profiler.before_launch(msg)
         if not behind:
             await _answer(ctx, inbox, outbox, runner, runner.launch(msg))
             continue
