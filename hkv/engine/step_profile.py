@@ -37,9 +37,11 @@ COMM_WORDS = ("nccl", "allreduce", "all_reduce", "allgather", "all_gather", "glo
 
 
 def decode_rows(plan: StepPlan) -> int:
-    """The plan's sequences when it is a plain decode step (one sampled token a sequence, no cache copies that
-    stall it, no drafts to verify), else 0."""
-    if not plan.chunks or plan.ops:
+    """The plan's sequences when it is a plain decode step (one sampled token a sequence, no drafts to verify),
+    else 0. Its cache copies count as part of it: on a hybrid with the prefix cache every decoding sequence moves
+    its rolling checkpoint at each page it fills (a SaveCheckpoint op, docs/cache.md), one step in every 16 at the
+    default page size, so a served steady state has them (an admission's loads come with its prefill chunk)."""
+    if not plan.chunks:
         return 0
     if any(len(c.token_ids) != 1 or not c.sample or c.drafts or c.checkpoints for c in plan.chunks):
         return 0

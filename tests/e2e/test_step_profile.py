@@ -36,3 +36,25 @@ def test_both_ranks_report_a_window_of_decode_steps_with_their_all_reduces(qwen3
     assert not (out / "profile_rank0_rows2.json").exists()  # no two-row decode step ever ran
     assert "step profile, rank 0, 1 rows" in server.log()
 
+
+
+def test_a_hybrid_with_the_prefix_cache_completes_its_windows_through_page_checkpoints(builtin_dir, tmp_path):
+    """The trained tiny-hybrid, prefix cache on: two decoding sequences move their rolling checkpoints at every page
+    they fill (SaveCheckpoint ops in decode plans), and the profile of two-row steps still completes."""
+    from hkv.models.tiny import builtin_folder
+
+    folder = builtin_folder("tiny-hybrid", builtin_dir)
+    out = tmp_path / "profiles"
+    server = launch(["--model", str(folder), "--page-size", "16"], tmp_path,
+                    env={"HKV_PROFILE_STEPS": "2", "HKV_PROFILE_DIR": str(out)})
+    pids = server.actor_pids()
+    try:
+        bodies = [_body([5, 6, 7, 8 + i], SKIP + WINDOW + 24) for i in range(2)]
+        answers = asyncio.run(_complete_all(server.url, bodies))
+        assert all(len(a["choices"][0]["token_ids"]) == SKIP + WINDOW + 24 for a in answers)
+    finally:
+        assert server.stop(signal.SIGTERM) == 0, server.log()
+    assert_clean(server, pids)
+    report = json.loads((out / "profile_rank0_rows2.json").read_text())
+    assert (report["rows"], report["steps"], report["tp"]) == (2, WINDOW, 1) and report["comm_ms"] == 0
+    assert "no window of" not in server.log()

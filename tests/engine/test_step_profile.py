@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hkv.engine.step_profile import SKIP, TRIES, WINDOW, StepProfiler, decode_rows, is_comm, summarize
-from hkv.cache.types import LoadPages
+from hkv.cache.types import SaveCheckpoint
 from hkv.ipc.messages import Chunk, StepPlan
 
 
@@ -24,7 +24,9 @@ def test_decode_rows_counts_plain_decode_steps_only():
     assert decode_rows(plan(4, prefill=1)) == 0
     assert decode_rows(StepPlan(1, [], [], [])) == 0
     assert decode_rows(StepPlan(1, [], [Chunk(0, [7, 8, 9], 10, True, drafts=2)], [])) == 0  # a verify chunk
-    assert decode_rows(StepPlan(1, [], [Chunk(0, [7], 10, True)], [], [LoadPages([1], [2])])) == 0  # a tier load
+    # a hybrid's rolling checkpoint moves at each page a sequence fills: still its steady decode step
+    assert decode_rows(StepPlan(1, [], [Chunk(0, [7], 10, True), Chunk(1, [8], 5, True)], [],
+                                [SaveCheckpoint(3, 9, 16)])) == 2
 
 
 def test_collectives_are_told_by_name():

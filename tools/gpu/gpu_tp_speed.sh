@@ -6,10 +6,8 @@
 #            (served_sweep: random 512 + 128 tokens) into $OUT/tp_<model>_tp<N>_c<c>.json;
 #   profile: per N again, after the timed runs (the profiler synchronizes the device), a server with
 #            HKV_PROFILE_STEPS=1,32,64 HKV_PROFILE_DIR=$OUT/prof_<model>_tp<N> given 64, then 32, then 1 request(s)
-#            of 512 + 96 tokens at once: each rank writes a window of 16 decode steps of each size. It runs
-#            --no-prefix-cache: both models are hybrids, whose every decoding sequence moves its rolling state
-#            checkpoint at each 16-token page (a SaveCheckpoint op, docs/cache.md), and a window of 16 steps with
-#            such an op in it is abandoned (hkv/engine/step_profile.py), so with the cache on none ever completes;
+#            of 512 + 96 tokens at once: each rank writes a window of 16 decode steps of each size (the steps
+#            that move a hybrid's rolling checkpoint at a page count as decode steps: the served steady state);
 #   parity:  tests/e2e/test_cuda_tp_bench.py at the N above 1 (fp32 greedy through graphs against transformers in
 #            fp32) into $OUT/tp_parity_<model>.log;
 # then tools/bench/tp_report.py's tables into the log and $OUT/tp_speed_<model>.md (rerun it by hand over the
@@ -88,7 +86,7 @@ speed() {  # speed NAME: each N's server timed by hkv-bench
   done
 }
 
-profile() {  # profile NAME: each N's server under HKV_PROFILE_STEPS (no prefix cache: the header says why), given
+profile() {  # profile NAME: each N's server under HKV_PROFILE_STEPS, given
   # one wave of 64, then 32, then 1 request(s)
   local n c name
   for n in $(printf '%s\n' "${sizes[@]}" | sort -rn); do  # the largest N first: its all-reduces are the question
@@ -96,7 +94,7 @@ profile() {  # profile NAME: each N's server under HKV_PROFILE_STEPS (no prefix 
     name="prof_${1}_tp$n"
     say "$1: --tp $n, decode steps of 1, 32 and 64 rows profiled into $OUT/$name"
     HKV_PROFILE_STEPS=1,32,64 HKV_PROFILE_DIR="$OUT_ABS/$name" start "$name" --tp "$n" --max-running-requests 64 \
-      --no-prefix-cache "${MEM[@]}" || continue
+      "${MEM[@]}" || continue
     for c in 64 32 1; do
       timeout "$(limit 150)" python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --no-progress \
         --workload random --input-len "${SWEEP_INPUT_LEN:-512}" --range-ratio 1 --output-len $PROFILE_LEN \
