@@ -28,8 +28,9 @@ SERVER_PID=
 device_wait_tests() {  # the device wait's GPU tests: the flag primitive, the same greedy tokens with and without it
   say "the device wait's GPU tests: the flag primitive, and the same greedy tokens with and without it"
   # -v and a file: a test killed by `timeout` still leaves the lines it printed (the 2026-12-05 call printed none);
-  # the thread method dumps every thread's stack at a test's timeout even when the main thread is in a CUDA call
-  timeout 400 python3 -m pytest -v -p no:cacheprovider -m gpu -rfEs --timeout=180 --timeout-method=thread \
+  # the thread method dumps every thread's stack at a test's timeout even when the main thread is in a CUDA call;
+  # 330 s a test: the e2e test starts two fp32 servers, the first compiling its kernels cold on a fresh machine
+  timeout 420 python3 -m pytest -v -p no:cacheprovider -m gpu -rfEs --timeout=330 --timeout-method=thread \
     --durations=5 tests/engine/test_host_flag.py tests/e2e/test_cuda_grammar_wait.py > "$OUT/device_wait_tests.log" 2>&1
   echo "device wait tests: exit $?" >> "$OUT/device_wait_tests.log"
   grep -v "warnings.warn\|Warning" "$OUT/device_wait_tests.log" | tail -40 | tee -a "$LOG"
