@@ -5,7 +5,7 @@
 # the forward"). Both trees' servers run at once here and hkv-bench alternates between them, so each pair of
 # rounds shares the machine, its clocks and whatever else it is doing.
 #   prepare: mkdir -p .out/base && git archive 025c52e hkv hkv_kernels tools | tar -x -C .out/base
-#   run: BASE_TREE=.out/base bash tools/gpu/gpu_c1ab.sh [parts: host,served,decode; default host,served]
+#   run: BASE_TREE=.out/base bash tools/gpu/gpu_c1ab.sh [parts: host,served,decode,profile; default host,served]
 #        (carry .whl, .out/base; `decode` alone fits one device call)
 # host: tiny-hybrid with the ranks' forward made free (tools/bench/free_forward/ first on PYTHONPATH): a step is the
 #       CUDA host path alone (graph replay, sampling, the step link, router, api), what c = 1 is bound by.
@@ -13,6 +13,9 @@
 # decode: no server; the MoE benchmark model's B1 decode step in-process, each tree's own bench_decode
 #       (`--moe --batches 1`, random weights, CUDA graphs), then each tree's kernels per step
 #       (tools/bench/decode_ab.py kernels) and their diff: is the forward itself slower?
+# profile: this tree only (the base has no step profiler): the MoE model served, its one-row decode steps profiled
+#       (HKV_PROFILE_STEPS=1, hkv/engine/step_profile.py): wall time a served step against the GPU's busy time in it,
+#       i.e. how much of a c = 1 step is outside the kernels (launch gaps, the host). $OUT/c1_profile/*.json.
 # ROUNDS (default 4) rounds per tree (hkv-bench at c = 1; bench_decode for decode), base first in odd rounds, this
 # tree first in even ones. Results: the per-round figures, the summary and the machine state in $OUT/gpu_c1ab.log,
 # decode's kernel tables in $OUT/kernels_{base,head}.json (each round's JSON in /tmp/c1ab on the machine).
@@ -128,5 +131,17 @@ fi
 if wants decode; then
   say "decode: the MoE benchmark model's B1 decode step in-process, each tree's own bench_decode, $ROUNDS rounds"
   decode
+fi
+if wants profile; then
+  bench_model "$MODEL" "the MoE benchmark model (4 layers of Qwen3-Next-80B's shapes)" --moe
+  say "profile: this tree's served one-row decode steps (wall against GPU busy), the MoE benchmark model"
+  PORT=8102 HKV_PROFILE_STEPS=1 HKV_PROFILE_DIR="$(cd "$OUT" && pwd)/c1_profile" start s_c1prof \
+    --max-running-requests 64 --gpu-memory-fraction 0.4 && {
+    PORT=8102 timeout 200 python3 -m tools.hkv_bench --url "http://127.0.0.1:8102" --no-progress --workload random \
+      --input-len 512 --range-ratio 1 --output-len 64 --num-prompts 1 --concurrency 1 --warmup 0 2>&1 \
+      | grep -E "ITL|TPOT" | sed "s/^/[profile] /" | tee -a "$LOG"
+    grep -h "step profile" /tmp/s_c1prof.err | cut -c1-400 | tee -a "$LOG"
+    stop
+  }
 fi
 exit 0
