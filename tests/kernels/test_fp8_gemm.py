@@ -127,7 +127,7 @@ def nan_empty():
 @pytest.mark.parametrize("m,n,k,bias,tile", [
     (1, 200, 768, True, Fp8Tile("gemv", 1, 64, 64, 4, 1, 6)),  # one row, N ragged, 6 splits
     (5, 130, 1000, True, Fp8Tile("gemv", 4, 32, 64, 4, 1, 3)),  # two row groups, N and the last split's K ragged
-    (3, 72, 640, False, Fp8Tile("gemv", 2, 8, 32, 2, 1, 5)),  # two 2-row groups, 5 splits
+    (3, 72, 640, False, Fp8Tile("gemv", 2, 32, 32, 2, 1, 5)),  # two 2-row groups, N ragged, 5 splits
     (19, 100, 900, True, Fp8Tile("dot", 16, 32, 64, 4, 2, 4)),  # two row blocks, ragged N and K, bias
     (40, 300, 512, False, Fp8Tile("dot", 32, 128, 32, 4, 2, 4)),  # K steps of 32 inside a scale block
 ], ids=["gemv-m1-bias", "gemv-m5-ragged-bias", "gemv-m3-groups", "dot-m19-ragged-bias", "dot-m40"])
@@ -289,7 +289,8 @@ def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypat
     candidate and the default tiles run and match the reference, each device timing calls the op on every
     weight copy's own weights, rows carry device time with host-inclusive beside, the sweep ranks by device
     time, and each bucket prints its step totals and DECODE_TILES entry (the GPU run must not be the first
-    to execute the section's Python)."""
+    to execute the section's Python). The 60-row shape gives one output tile, so the CPU's one "SM" splits
+    K there and the fused_sum twins take their fused path."""
     from tools.bench import bench_fp8_kernels as fp8_bench
     from tools.bench import bench_kernels
 
@@ -304,7 +305,7 @@ def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypat
         assert torch.equal(second, 2 * first)
         return next(device_ms)
 
-    monkeypatch.setattr(bench_kernels, "DECODE_GEMMS", [("even", 256, 256, 2), ("ragged", 200, 384, 1)])
+    monkeypatch.setattr(bench_kernels, "DECODE_GEMMS", [("even", 256, 256, 2), ("ragged", 60, 384, 1)])
     monkeypatch.setattr(bench_kernels, "ROWS", [])
     monkeypatch.setattr(bench_kernels, "CEIL", {"copy": 1.0})
     monkeypatch.setattr(fp8_bench, "ROWS", (1, 5))
@@ -320,25 +321,32 @@ def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypat
     assert all(r["ms"] < 1 and r["host_ms"] == 2.0 for r in sweep_rows)
     headline = [r for r in bench_kernels.ROWS if r["kernel"] in ("fp8_gemm_even", "fp8_gemm_ragged")]
     assert len(headline) == 4 and all(r["ms"] < 1 and r["host_ms"] == 3.0 for r in headline)
-    # the last candidate (a scale_out variant) was timed last on every shape, so it has the lowest step total in
-    # device time, and its printed entry is what DECODE_TILES would hold for it
+    # the last candidate (a scale_out and fused_sum variant) was timed last on every shape, so it has the lowest
+    # step total in device time, and its printed entry is what DECODE_TILES would hold for it
     for rows in (1, 16):
         last = fp8_bench.candidates(rows)[-1]
+        assert k_split(last, rows, 60, 384, torch.device("cpu"))[1] > 1
         entry = out.split(f"DECODE_TILES entry for M <= {rows}: ", 1)[1].splitlines()[0]
-        assert last.scale_out and eval(entry.rstrip(","), {"Fp8Tile": Fp8Tile}) == (rows, last)  # noqa: S307
+        assert last.scale_out and last.fused_sum and eval(entry.rstrip(","), {"Fp8Tile": Fp8Tile}) == (rows, last)  # noqa: S307
         step = next(r for r in bench_kernels.ROWS if r["kernel"] == "fp8_sweep_step_best" and r["shape"] == f"M{rows}")
         assert step["host_ms"] == 3 * 2.0 and step["ms"] < 3 * 1
     assert out.count("acceptance 3 at M = 1:") == 1
 
 
 def test_the_fp8_sweep_tries_the_current_tile_and_the_next_two_with_scale_out_flipped():
-    """Whichever way the current DECODE_TILES entry sets scale_out, the sweep times both (and the label tells
+    """Whichever way the current DECODE_TILES entry sets scale_out and fused_sum, the sweep times the next two
+    tiles with scale_out flipped and the current one with each flag flipped and with both (and the label tells
     them apart)."""
     from tools.bench.bench_fp8_kernels import SWEEP_ROWS, candidates, tile_label
 
     for rows in SWEEP_ROWS:
         tiles = candidates(rows)
-        assert tiles[0] == fit_rows(dict(DECODE_TILES)[rows], rows) and len(set(tiles)) == len(tiles) <= 13
+        current = tiles[0]
+        assert current == fit_rows(dict(DECODE_TILES)[rows], rows) and len(set(tiles)) == len(tiles) <= 15
         assert all(replace(t, scale_out=not t.scale_out) in tiles for t in tiles[:3])
-        assert all(tile_label(replace(t, scale_out=True)) == tile_label(replace(t, scale_out=False)) + " so"
+        twin = replace(current, scale_out=not current.scale_out)
+        assert {replace(t, fused_sum=not t.fused_sum) for t in (current, twin)} <= set(tiles)
+        assert all(tile_label(replace(t, scale_out=True, fused_sum=False))
+                   == tile_label(replace(t, scale_out=False, fused_sum=False)) + " so" for t in tiles if t.kind != "mm")
+        assert all(tile_label(replace(t, fused_sum=True)) == tile_label(replace(t, fused_sum=False)) + " fs"
                    for t in tiles if t.kind != "mm")
