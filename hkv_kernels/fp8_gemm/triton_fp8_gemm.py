@@ -418,8 +418,8 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 def _launch(tile: Fp8Tile, x2, weight, scale, bias, target, m: int, n: int, k: int, k_per_split: int,
             split: int, out: torch.Tensor | None = None) -> None:
     """One launch of tile's kernel into target ([M, N] in x's dtype, or [split, M, N] fp32 partials); with
-    out ([M, N], a fused_sum tile's split launch), the last split program of each output tile also adds
-    target into out (+ bias)."""
+    out ([M, N] with target's row stride, a fused_sum tile's split launch), the last split program of each
+    output tile adds target into out (+ bias)."""
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split)
     args = (x2, weight, scale, scale if bias is None else bias, target, m, n, k, k_per_split,
             x2.stride(0), weight.stride(0), scale.stride(0), target.stride(-2), target.stride(0) if split > 1 else 0)
