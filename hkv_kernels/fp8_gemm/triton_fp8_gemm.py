@@ -38,6 +38,15 @@ Few output tiles leave SMs idle: the K loop is then split over SPLIT programs th
 sums, added afterwards by one small kernel in split order (no atomics, so the result does not depend
 on scheduling; the bias is added after the sum, as without a split). Nothing reads the host: the
 launch is graph-safe.
+That second kernel is a second launch for every decode GEMM (about 72 a step of the benchmark model),
+each with its launch gap. An Fp8Tile with fused_sum drops it: each split program stores its partials,
+then bumps its output tile's arrival counter (an acquire-release atomic, after a barrier so that every
+thread's stores are issued), and the program that arrives last loads the tile's partials past L1 in
+split order, adds them and the bias exactly as the sum kernel does (the result is the same bit for bit),
+stores the output and resets the counter to zero for the next launch or graph replay. The counters
+(tile_counters) are shared by every launch on a device, so two such GEMMs must not run at once on
+different streams. fused_sum is off in every default tile until a GPU run of its CUDA-graph replay test
+and the sweep: races between SMs cannot show in the interpreter, which runs programs one at a time.
 """
 
 from __future__ import annotations
@@ -98,11 +107,32 @@ def _store_row(ptrs, acc, bias_ptr, cols, ok, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _sum_if_last(part_ptrs, sum_ptrs, ok, bias_ptrs, bias_ok, count_ptr, stride_os, HAS_BIAS: tl.constexpr):
+    """Run by each split program of an output tile once its partials are stored (part_ptrs: the tile's
+    addresses in split 0, stride_os apart): the one that arrives last adds the tile's partials in split
+    order (+ bias, broadcast from bias_ptrs) and stores them at sum_ptrs, as _sum_splits_kernel does, then
+    resets the tile's counter for the next launch or graph replay."""
+    split = tl.num_programs(2)
+    tl.debug_barrier()  # every thread's partial stores are issued before the arrival releases them
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")  # release this program's partials, acquire the others'
+    if arrived == split - 1:
+        # .cg: read from L2, since another SM's L1 may hold a stale line and L1 is not coherent across SMs
+        acc = tl.load(part_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+        for _ in range(1, split):
+            part_ptrs += stride_os  # pointer steps, as in _sum_splits_kernel
+            acc += tl.load(part_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(bias_ptrs, mask=bias_ok, other=0.0).to(tl.float32)
+        tl.store(sum_ptrs, acc.to(sum_ptrs.dtype.element_ty), mask=ok)
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed")  # the kernel's end orders it before the next launch
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_sn, stride_om, stride_os,
+    stride_xm, stride_wn, stride_sn, stride_om, stride_os, sum_ptr, count_ptr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_OUT: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_OUT: tl.constexpr, FUSED_SUM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     row0 = tl.program_id(1) * ROWS
@@ -143,21 +173,28 @@ def _fp8_gemv_kernel(
         q = q_next
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    part_bias: tl.constexpr = HAS_BIAS and not FUSED_SUM  # a fused sum adds the bias after the splits
     out_row = out_ptr + split.to(tl.int64) * stride_os + row0.to(tl.int64) * stride_om + cols
-    _store_row(out_row, acc0, bias_ptr, cols, col_ok & (row0 < M), HAS_BIAS)
+    _store_row(out_row, acc0, bias_ptr, cols, col_ok & (row0 < M), part_bias)
     if ROWS > 1:
-        _store_row(out_row + stride_om, acc1, bias_ptr, cols, col_ok & (row0 + 1 < M), HAS_BIAS)
+        _store_row(out_row + stride_om, acc1, bias_ptr, cols, col_ok & (row0 + 1 < M), part_bias)
     if ROWS > 2:
-        _store_row(out_row + 2 * stride_om, acc2, bias_ptr, cols, col_ok & (row0 + 2 < M), HAS_BIAS)
-        _store_row(out_row + 3 * stride_om, acc3, bias_ptr, cols, col_ok & (row0 + 3 < M), HAS_BIAS)
+        _store_row(out_row + 2 * stride_om, acc2, bias_ptr, cols, col_ok & (row0 + 2 < M), part_bias)
+        _store_row(out_row + 3 * stride_om, acc3, bias_ptr, cols, col_ok & (row0 + 3 < M), part_bias)
+    if FUSED_SUM:
+        rows = row0 + tl.arange(0, ROWS)
+        tile = rows[:, None].to(tl.int64) * stride_om + cols[None, :]  # [ROWS, BN] offsets in one [M, N]
+        _sum_if_last(out_ptr + tile, sum_ptr + tile, (rows < M)[:, None] & col_ok[None, :], bias_ptr + cols[None, :],
+                     col_ok[None, :], count_ptr + tl.program_id(1) * tl.num_programs(0) + pid_n, stride_os, HAS_BIAS)
 
 
 @triton.jit
 def _fp8_dot_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_sn, stride_om, stride_os,
+    stride_xm, stride_wn, stride_sn, stride_om, stride_os, sum_ptr, count_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SCALE_OUT: tl.constexpr,
+    FUSED_SUM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,10 +225,14 @@ def _fp8_dot_kernel(
             acc = tl.dot(_dequant(q, s, dtype), a, acc, input_precision=PRECISION)  # [BN, BM]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if HAS_BIAS:
+    if HAS_BIAS and not FUSED_SUM:  # a fused sum adds the bias after the splits
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + split.to(tl.int64) * stride_os + rows[None, :].to(tl.int64) * stride_om + cols[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+    tile = rows[None, :].to(tl.int64) * stride_om + cols[:, None]  # [BN, BM] offsets in one [M, N]
+    ok = col_ok[:, None] & row_ok[None, :]
+    tl.store(out_ptr + split.to(tl.int64) * stride_os + tile, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if FUSED_SUM:
+        _sum_if_last(out_ptr + tile, sum_ptr + tile, ok, bias_ptr + cols[:, None], col_ok[:, None],
+                     count_ptr + tl.program_id(1) * tl.num_programs(0) + pid_n, stride_os, HAS_BIAS)
 
 
 @triton.jit
@@ -266,7 +307,9 @@ class Fp8Tile:
     step's fp32 sums by the step's scale instead of dequantizing every weight, which saves a multiply and
     two conversions per weight element where decode may be bound by instruction issue (module docstring: it
     rounds differently from the reference). "mm" refuses it: prefill has tensor-core work to hide the
-    dequantization behind.
+    dequantization behind. fused_sum (gemv and dot only): where K is split, the last split program of each
+    output tile adds the partials in the same kernel instead of a second launch (module docstring); "mm"
+    refuses it, as prefill tiles do not split.
     """
 
     kind: str
@@ -278,12 +321,14 @@ class Fp8Tile:
     split_k: int | None = None
     per_sm: int = 2
     scale_out: bool = False
+    fused_sum: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Fp8Tile kind {self.kind!r} is not one of {KINDS}")
-        if self.scale_out and self.kind == "mm":
-            raise ValueError(f"{self}: scale_out is a decode-kernel variant (gemv, dot); mm does not take it")
+        for flag in ("scale_out", "fused_sum"):
+            if getattr(self, flag) and self.kind == "mm":
+                raise ValueError(f"{self}: {flag} is a decode-kernel variant (gemv, dot); mm does not take it")
         steps_ok = BLOCK % self.block_k == 0 and (self.kind != "gemv" or self.block_k <= 16 * self.num_warps)
         rows_ok = self.block_m in (1, 2, 4) if self.kind == "gemv" else self.block_m >= 16
         pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.num_warps))
@@ -345,20 +390,48 @@ def k_split(tile: Fp8Tile, m: int, n: int, k: int, device: torch.device) -> tupl
     return k_per_split, -(-k // k_per_split)
 
 
+# MIN_COUNTERS: the first counter buffer's length in output tiles (256 KB), more than any benchmark-model
+# projection's grid, so that a launch inside CUDA graph capture finds it big enough
+MIN_COUNTERS = 1 << 16
+# per device, every counter buffer fused_sum launches have used, the current (longest) last: a grown one's
+# predecessors stay alive, since graphs captured before the growth still replay with them
+_TILE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The int32 arrival counters of fused_sum launches on device, one per output tile, at least `tiles`.
+
+    Zero between launches (each launch's last program of a tile resets its own), so every launch on the
+    device shares them: two fused_sum GEMMs must not run at once on different streams. hkv runs its FP8
+    GEMMs on one stream per rank. Growing allocates, so a launch inside CUDA graph capture must find the
+    buffer big enough (MIN_COUNTERS, or a larger launch made before the capture); it raises otherwise."""
+    buffers = _TILE_COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fp8 fused_sum: {tiles} output tiles need a larger counter buffer, which cannot "
+                               "be allocated during CUDA graph capture; run this shape once before capturing")
+        size = max(tiles, MIN_COUNTERS, 2 * buffers[-1].numel() if buffers else 0)
+        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 def _launch(tile: Fp8Tile, x2, weight, scale, bias, target, m: int, n: int, k: int, k_per_split: int,
-            split: int) -> None:
-    """One launch of tile's kernel into target ([M, N] in x's dtype, or [split, M, N] fp32 partials)."""
+            split: int, out: torch.Tensor | None = None) -> None:
+    """One launch of tile's kernel into target ([M, N] in x's dtype, or [split, M, N] fp32 partials); with
+    out ([M, N] with target's row stride, a fused_sum tile's split launch), the last split program of each
+    output tile adds target into out (+ bias)."""
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), split)
     args = (x2, weight, scale, scale if bias is None else bias, target, m, n, k, k_per_split,
             x2.stride(0), weight.stride(0), scale.stride(0), target.stride(-2), target.stride(0) if split > 1 else 0)
     common = dict(SCALE_BLOCK=BLOCK, EVEN_K=k % tile.block_k == 0, HAS_BIAS=bias is not None,
                   num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if tile.kind != "mm":  # the mm kernel has no SCALE_OUT or FUSED_SUM (Fp8Tile refuses them)
+        fused = out is not None
+        common.update(SCALE_OUT=tile.scale_out, FUSED_SUM=fused, sum_ptr=out if fused else target,
+                      count_ptr=tile_counters(x2.device, grid[0] * grid[1]) if fused else target)
     if tile.kind == "gemv":
-        _fp8_gemv_kernel[grid](*args, ROWS=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                               SCALE_OUT=tile.scale_out, **common)
+        _fp8_gemv_kernel[grid](*args, ROWS=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, **common)
         return
-    if tile.kind == "dot":  # the mm kernel has no SCALE_OUT (Fp8Tile refuses it)
-        common.update(SCALE_OUT=tile.scale_out)
     kernel = _fp8_dot_kernel if tile.kind == "dot" else _fp8_mm_kernel
     kernel[grid](*args, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                  PRECISION=dot_precision(x2.dtype), **common)
@@ -397,6 +470,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
         _launch(tile, x2, weight, scale, bias, out, m, n, k, k_per_split, split)
     else:
         partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        _launch(tile, x2, weight, scale, None, partials, m, n, k, k_per_split, split)
-        _sum_splits(partials, bias, out)
+        if tile.fused_sum:
+            _launch(tile, x2, weight, scale, bias, partials, m, n, k, k_per_split, split, out)
+        else:
+            _launch(tile, x2, weight, scale, None, partials, m, n, k, k_per_split, split)
+            _sum_splits(partials, bias, out)
     return out.view(*x.shape[:-1], n)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hkv_kernels.fp8_gemm.reference import FP8_MAX, dequantize, fp8_linear_ref, quantize, scale_shape
-from hkv_kernels.fp8_gemm.triton_fp8_gemm import DECODE_TILES, Fp8Tile, fit_rows, fp8_linear, fp8_tile, k_split
+from hkv_kernels.fp8_gemm.triton_fp8_gemm import (DECODE_TILES, MIN_COUNTERS, Fp8Tile, fit_rows, fp8_linear,
+                                                  fp8_tile, k_split, tile_counters)
 from hkv_kernels.moe.reference import dequantize_experts, moe_experts_ref, moe_route_ref
 from hkv_kernels.moe.triton_moe import moe_experts
 from tests.kernels.helpers import assert_close, cases
@@ -111,6 +112,87 @@ def test_fp8_linear_default_tiles_run_every_decode_bucket(m, scale_out):
     _check_fp8_linear("cpu", torch.float32, m, 200, 384, True, replace(tile, scale_out=scale_out))
 
 
+@pytest.fixture
+def nan_empty():
+    """torch.empty fills floats with NaN while this runs (deterministic mode), so an output element that a
+    path never writes fails torch.equal instead of matching leftover memory."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+@SCALE_OUT
+@pytest.mark.parametrize("device,dtype", _cases_with_fp16())
+@pytest.mark.parametrize("m,n,k,bias,tile", [
+    (1, 200, 768, True, Fp8Tile("gemv", 1, 64, 64, 4, 1, 6)),  # one row, N ragged, 6 splits
+    (5, 130, 1000, True, Fp8Tile("gemv", 4, 32, 64, 4, 1, 3)),  # two row groups, N and the last split's K ragged
+    (3, 72, 640, False, Fp8Tile("gemv", 2, 32, 32, 2, 1, 5)),  # two 2-row groups, N ragged, 5 splits
+    (19, 100, 900, True, Fp8Tile("dot", 16, 32, 64, 4, 2, 4)),  # two row blocks, ragged N and K, bias
+    (40, 300, 512, False, Fp8Tile("dot", 32, 128, 32, 4, 2, 4)),  # K steps of 32 inside a scale block
+], ids=["gemv-m1-bias", "gemv-m5-ragged-bias", "gemv-m3-groups", "dot-m19-ragged-bias", "dot-m40"])
+def test_fused_sum_equals_the_two_kernel_split_sum_bit_for_bit(device, dtype, m, n, k, bias, tile, scale_out,
+                                                               nan_empty):
+    """The last split program's sum (Fp8Tile.fused_sum) adds the partials and the bias in the order the sum
+    kernel does, so the output is the same bits; each tile's counter is back at zero after the launch, so a
+    second launch sums again. (The interpreter runs programs one at a time: the GPU test below checks races.)"""
+    q, scale = (t.to(device) for t in _fp8_weight(n, k, seed=m + n))
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    tile = replace(tile, scale_out=scale_out)
+    assert k_split(tile, m, n, k, x.device)[1] >= 3  # with two splits any order gives the same fp32 sum
+    want = fp8_linear(x, q, scale, b, tile=tile)
+    for launch in range(2):
+        out = fp8_linear(x, q, scale, b, tile=replace(tile, fused_sum=True))
+        assert torch.equal(out, want), f"launch {launch}: {(out.float() - want.float()).abs().max()} off"
+        assert not tile_counters(x.device, 1).any()
+
+
+def test_tile_counters_are_zeroed_shared_and_grow_keeping_the_old_buffer():
+    cpu = torch.device("cpu")
+    first = tile_counters(cpu, 1)
+    assert first.dtype == torch.int32 and first.numel() >= MIN_COUNTERS and not first.any()
+    assert tile_counters(cpu, first.numel()) is first  # every launch that fits shares it
+    grown = tile_counters(cpu, first.numel() + 1)
+    assert grown.numel() > first.numel() and not grown.any() and tile_counters(cpu, 1) is grown
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m,n,k,tile", [
+    (1, 2048, 2048, Fp8Tile("gemv", 1, 128, 64, 4, 1)),  # the decode shape: 16 programs x 16 splits
+    (1, 1000, 1280, Fp8Tile("gemv", 1, 128, 64, 4, 1, scale_out=True)),  # ragged N
+    (16, 2048, 2048, Fp8Tile("dot", 16, 64, 128, 4, 4)),
+    (64, 2048, 4096, Fp8Tile("dot", 64, 64, 128, 4, 4)),
+], ids=["gemv-m1", "gemv-m1-ragged-so", "dot-m16", "dot-m64"])
+def test_fused_sum_replays_in_a_cuda_graph_bit_for_bit(m, n, k, tile):
+    """The gate for turning fused_sum on: a fused launch captured in a CUDA graph and replayed 500 times on
+    inputs refreshed in place equals the two-kernel path bit for bit every time. A partial read before its
+    store lands, or a counter left non-zero, would show on some replay; the interpreter cannot show races."""
+    q, scale = (t.cuda() for t in _fp8_weight(n, k, seed=m))
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    fused = replace(tile, fused_sum=True)
+    assert k_split(fused, m, n, k, x.device)[1] >= 3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and allocate the counters before the capture
+        fp8_linear(x, q, scale, b, tile=fused)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(x, q, scale, b, tile=fused)
+    for replay in range(500):
+        x.normal_(generator=gen)
+        b.normal_(generator=gen)
+        graph.replay()
+        want = fp8_linear(x, q, scale, b, tile=tile)
+        assert torch.equal(out, want), f"replay {replay}: {(out.float() - want.float()).abs().max()} off"
+    assert not tile_counters(x.device, 1).any()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -162,11 +244,12 @@ def test_fp8_tile_refuses_shapes_its_kernel_cannot_run(args):
         Fp8Tile(*args)
 
 
-def test_fp8_tile_takes_scale_out_on_the_decode_kinds_only():
-    assert Fp8Tile("gemv", 1, 128, 64, 4, 1, scale_out=True).scale_out
-    assert Fp8Tile("dot", 16, 64, 128, 4, 4, scale_out=True).scale_out
-    with pytest.raises(ValueError, match="scale_out"):
-        Fp8Tile("mm", 64, 128, 128, 8, 3, 1, scale_out=True)
+@pytest.mark.parametrize("flag", ["scale_out", "fused_sum"])
+def test_fp8_tile_takes_the_decode_variants_on_the_decode_kinds_only(flag):
+    assert getattr(Fp8Tile("gemv", 1, 128, 64, 4, 1, **{flag: True}), flag)
+    assert getattr(Fp8Tile("dot", 16, 64, 128, 4, 4, **{flag: True}), flag)
+    with pytest.raises(ValueError, match=flag):
+        Fp8Tile("mm", 64, 128, 128, 8, 3, 1, **{flag: True})
 
 
 def _fp8_experts(num_experts, hidden, inter, seed):
@@ -206,7 +289,8 @@ def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypat
     candidate and the default tiles run and match the reference, each device timing calls the op on every
     weight copy's own weights, rows carry device time with host-inclusive beside, the sweep ranks by device
     time, and each bucket prints its step totals and DECODE_TILES entry (the GPU run must not be the first
-    to execute the section's Python)."""
+    to execute the section's Python). The 60-row shape gives one output tile, so the CPU's one "SM" splits
+    K there and the fused_sum twins take their fused path."""
     from tools.bench import bench_fp8_kernels as fp8_bench
     from tools.bench import bench_kernels
 
@@ -221,7 +305,7 @@ def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypat
         assert torch.equal(second, 2 * first)
         return next(device_ms)
 
-    monkeypatch.setattr(bench_kernels, "DECODE_GEMMS", [("even", 256, 256, 2), ("ragged", 200, 384, 1)])
+    monkeypatch.setattr(bench_kernels, "DECODE_GEMMS", [("even", 256, 256, 2), ("ragged", 60, 384, 1)])
     monkeypatch.setattr(bench_kernels, "ROWS", [])
     monkeypatch.setattr(bench_kernels, "CEIL", {"copy": 1.0})
     monkeypatch.setattr(fp8_bench, "ROWS", (1, 5))
@@ -237,25 +321,32 @@ def test_the_fp8_bench_section_runs_every_candidate_in_the_interpreter(monkeypat
     assert all(r["ms"] < 1 and r["host_ms"] == 2.0 for r in sweep_rows)
     headline = [r for r in bench_kernels.ROWS if r["kernel"] in ("fp8_gemm_even", "fp8_gemm_ragged")]
     assert len(headline) == 4 and all(r["ms"] < 1 and r["host_ms"] == 3.0 for r in headline)
-    # the last candidate (a scale_out variant) was timed last on every shape, so it has the lowest step total in
-    # device time, and its printed entry is what DECODE_TILES would hold for it
+    # the last candidate (a scale_out and fused_sum variant) was timed last on every shape, so it has the lowest
+    # step total in device time, and its printed entry is what DECODE_TILES would hold for it
     for rows in (1, 16):
         last = fp8_bench.candidates(rows)[-1]
+        assert k_split(last, rows, 60, 384, torch.device("cpu"))[1] > 1
         entry = out.split(f"DECODE_TILES entry for M <= {rows}: ", 1)[1].splitlines()[0]
-        assert last.scale_out and eval(entry.rstrip(","), {"Fp8Tile": Fp8Tile}) == (rows, last)  # noqa: S307
+        assert last.scale_out and last.fused_sum and eval(entry.rstrip(","), {"Fp8Tile": Fp8Tile}) == (rows, last)  # noqa: S307
         step = next(r for r in bench_kernels.ROWS if r["kernel"] == "fp8_sweep_step_best" and r["shape"] == f"M{rows}")
         assert step["host_ms"] == 3 * 2.0 and step["ms"] < 3 * 1
     assert out.count("acceptance 3 at M = 1:") == 1
 
 
 def test_the_fp8_sweep_tries_the_current_tile_and_the_next_two_with_scale_out_flipped():
-    """Whichever way the current DECODE_TILES entry sets scale_out, the sweep times both (and the label tells
+    """Whichever way the current DECODE_TILES entry sets scale_out and fused_sum, the sweep times the next two
+    tiles with scale_out flipped and the current one with each flag flipped and with both (and the label tells
     them apart)."""
     from tools.bench.bench_fp8_kernels import SWEEP_ROWS, candidates, tile_label
 
     for rows in SWEEP_ROWS:
         tiles = candidates(rows)
-        assert tiles[0] == fit_rows(dict(DECODE_TILES)[rows], rows) and len(set(tiles)) == len(tiles) <= 13
+        current = tiles[0]
+        assert current == fit_rows(dict(DECODE_TILES)[rows], rows) and len(set(tiles)) == len(tiles) <= 15
         assert all(replace(t, scale_out=not t.scale_out) in tiles for t in tiles[:3])
-        assert all(tile_label(replace(t, scale_out=True)) == tile_label(replace(t, scale_out=False)) + " so"
+        twin = replace(current, scale_out=not current.scale_out)
+        assert {replace(t, fused_sum=not t.fused_sum) for t in (current, twin)} <= set(tiles)
+        assert all(tile_label(replace(t, scale_out=True, fused_sum=False))
+                   == tile_label(replace(t, scale_out=False, fused_sum=False)) + " so" for t in tiles if t.kind != "mm")
+        assert all(tile_label(replace(t, fused_sum=True)) == tile_label(replace(t, fused_sum=False)) + " fs"
                    for t in tiles if t.kind != "mm")

@@ -100,17 +100,19 @@ def _shape(p: Projection, rows: int) -> str:
 
 
 def tile_label(tile: Fp8Tile, split: int | None = None) -> str:
-    """kind rows x weight rows x K step, warps, stages, per_sm, "so" for scale_out, and the K split a shape
-    got (sk)."""
+    """kind rows x weight rows x K step, warps, stages, per_sm, "so" for scale_out, "fs" for fused_sum, and
+    the K split a shape got (sk)."""
     return (f"{tile.kind} {tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages} "
-            f"ps{tile.per_sm}" + (" so" if tile.scale_out else "") + ("" if split is None else f" sk{split}"))
+            f"ps{tile.per_sm}" + (" so" if tile.scale_out else "") + (" fs" if tile.fused_sum else "")
+            + ("" if split is None else f" sk{split}"))
 
 
 def candidates(rows: int) -> list[Fp8Tile]:
     """Tiles to sweep for the DECODE_TILES bucket `rows` (each fitted to it), the current entry first, then
-    other shapes of its kind, the neighbouring kind, the current tile with other K-split targets, and last
-    the first three of those (the current entry and the next two) with scale_out flipped. 11 to 13 a bucket;
-    tools/gpu/gpu_fp8.sh allows the section 400 s. Fp8Tile's docstring has the constraints."""
+    other shapes of its kind, the neighbouring kind, the current tile with other K-split targets, the first
+    three of those (the current entry and the next two) with scale_out flipped, and last the current entry
+    and its scale_out twin with fused_sum flipped (the split's sum in the GEMM's own launch). 13 to 15 a
+    bucket; tools/gpu/gpu_fp8.sh allows the section 400 s. Fp8Tile's docstring has the constraints."""
     current = dict(DECODE_TILES)[rows]
 
     def gemv(n, bk, warps):
@@ -129,7 +131,8 @@ def candidates(rows: int) -> list[Fp8Tile]:
     pool += [replace(current, per_sm=ps) for ps in (1, 4, 8) if ps != current.per_sm]
     fitted = list(dict.fromkeys(fit_rows(t, rows) for t in [current, *pool]))  # drop duplicates, keep the order
     flipped = [replace(t, scale_out=not t.scale_out) for t in fitted[:3] if t.kind != "mm"]
-    return list(dict.fromkeys([*fitted, *flipped]))
+    fused = [replace(t, fused_sum=not t.fused_sum) for t in [fitted[0], *flipped[:1]] if t.kind != "mm"]
+    return list(dict.fromkeys([*fitted, *flipped, *fused]))
 
 
 def _projections(gen: torch.Generator, dtype: torch.dtype) -> list[Projection]:
@@ -301,7 +304,8 @@ def _print_recommendation(row: Callable, rows: int, current: Fp8Tile, tiles: lis
     _step_rows(row, ("bf16_sweep_step_total", "fp8_sweep_step_best"), rows, projections, step[best], bf16)
     _print_acceptance(rows, projections, step[best], bf16)
     entry = (f'({rows}, Fp8Tile("{best.kind}", {best.block_m}, {best.block_n}, {best.block_k}, {best.num_warps}, '
-             f"{best.num_stages}, per_sm={best.per_sm}{', scale_out=True' if best.scale_out else ''})),")
+             f"{best.num_stages}, per_sm={best.per_sm}{', scale_out=True' if best.scale_out else ''}"
+             f"{', fused_sum=True' if best.fused_sum else ''})),")
     print(f"  DECODE_TILES entry for M <= {rows}{' (unchanged)' if best == current else ''}: {entry}", flush=True)
 
 

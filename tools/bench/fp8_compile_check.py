@@ -31,10 +31,13 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 # the non-constexpr arguments' types; all but M are 16-divisible on the benchmark shapes, which Triton's
 # launcher specializes on (16-byte aligned pointers, sizes and strides that 16 divides)
 TYPES = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K="i32",
-             k_per_split="i32", stride_xm="i32", stride_wn="i32", stride_sn="i32", stride_om="i32", stride_os="i32")
+             k_per_split="i32", stride_xm="i32", stride_wn="i32", stride_sn="i32", stride_om="i32", stride_os="i32",
+             sum_ptr="*bf16", count_ptr="*i32")
 
 def compile_tile(tile: fp8.Fp8Tile, split: bool = False):
-    """tile's kernel compiled for sm_90 with bf16 activations, as fp8_linear launches it on an even K."""
+    """tile's kernel compiled for sm_90 with bf16 activations, as fp8_linear launches it on an even K (with
+    fp32 partials where split; a fused_sum tile always splits, since fp8_linear runs it fused only then)."""
+    split = split or tile.fused_sum
     if tile.kind == "gemv":
         fn = fp8._fp8_gemv_kernel
         consts = dict(ROWS=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k)
@@ -42,7 +45,7 @@ def compile_tile(tile: fp8.Fp8Tile, split: bool = False):
         fn = fp8._fp8_dot_kernel if tile.kind == "dot" else fp8._fp8_mm_kernel
         consts = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PRECISION="tf32")
     if tile.kind != "mm":
-        consts.update(SCALE_OUT=tile.scale_out)
+        consts.update(SCALE_OUT=tile.scale_out, FUSED_SUM=tile.fused_sum)
     consts.update(SCALE_BLOCK=fp8.BLOCK, EVEN_K=True, HAS_BIAS=False)
     types = {**TYPES, "out_ptr": "*fp32" if split else "*bf16"}  # K-split partials are fp32
     signature = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}

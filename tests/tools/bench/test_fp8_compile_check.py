@@ -1,6 +1,6 @@
-"""tools/bench/fp8_compile_check.py: the FP8 GEMM's default decode tiles, with and without scale_out (which
-the sweep may pick), compile for sm_90 on a machine without a GPU (Triton's CUDA backend ahead of time),
-which the interpreter tests cannot show."""
+"""tools/bench/fp8_compile_check.py: the FP8 GEMM's default decode tiles, with and without scale_out and
+fused_sum (which the sweep may pick), compile for sm_90 on a machine without a GPU (Triton's CUDA backend
+ahead of time), which the interpreter tests cannot show."""
 
 import os
 import subprocess
@@ -18,11 +18,11 @@ from tools.bench.fp8_compile_check import _sass, compile_tile
 import re
 for rows in (1, 64):
     for scale_out in (False, True):
-        tile = replace(fit_rows(dict(DECODE_TILES)[rows], rows), scale_out=scale_out)
-        for split in (False, True):
+        for split, fused_sum in ((False, False), (True, False), (True, True)):
+            tile = replace(fit_rows(dict(DECODE_TILES)[rows], rows), scale_out=scale_out, fused_sum=fused_sum)
             compiled = compile_tile(tile, split=split)
             sass = _sass(compiled)
-            print(rows, tile.kind, scale_out, split, re.search(r"STACK:(\\d+)", sass).group(1),
+            print(rows, tile.kind, scale_out, split, fused_sum, re.search(r"STACK:(\\d+)", sass).group(1),
                   "warp_group_dot" in compiled.asm["ttgir"])
 """
 
@@ -34,10 +34,11 @@ def test_the_default_gemv_and_dot_tiles_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    # (rows, kind, scale_out, K-split partials, stack bytes: 0 = no spills, wgmma)
+    # (rows, kind, scale_out, K-split partials, fused_sum, stack bytes: 0 = no spills, wgmma)
     assert sorted(line.split() for line in done.stdout.splitlines() if line.strip()) == [
-        [str(rows), kind, scale_out, split, "0", str(kind == "dot")]
-        for rows, kind in ((1, "gemv"), (64, "dot")) for scale_out in ("False", "True") for split in ("False", "True")]
+        [str(rows), kind, scale_out, split, fused_sum, "0", str(kind == "dot")]
+        for rows, kind in ((1, "gemv"), (64, "dot")) for scale_out in ("False", "True")
+        for split, fused_sum in (("False", "False"), ("True", "False"), ("True", "True"))]
 
 
 # cuobjdump -sass's layout: a predicated forward branch, a two-FFMA loop closed by a backward branch, the
