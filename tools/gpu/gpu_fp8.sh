@@ -26,10 +26,10 @@ if wants tests; then
 fi
 if wants bench; then
   # fp8 rows: ms is device time (CUDA graph replays over weight copies), host-incl is do_bench per call;
-  # the gemm section's bf16 rows are do_bench alone; 400 s: the sweep's scale_out variants added 15 candidates
-  # to 44, its fused_sum twins 10 more (69; not yet run within it on a GPU)
+  # the gemm section's bf16 rows are do_bench alone; 540 s (bench alone in its call): the sweep's scale_out
+  # variants added 15 candidates to 44, its fused_sum twins 10 more (69; not yet run on a GPU)
   say "kernel benchmark: FP8 GEMMs against bf16 (M = 1, 32, 64, 2048), then the tile sweep (M = 1, 4, 16, 32, 64)"
-  timeout 400 python3 -m tools.bench.bench_kernels --only fp8,gemm --json "$OUT/fp8_kernels.json" 2>&1 \
+  timeout 540 python3 -m tools.bench.bench_kernels --only fp8,gemm --json "$OUT/fp8_kernels.json" 2>&1 \
     | grep -v Warning | tee -a "$LOG"
 fi
 if wants served; then
