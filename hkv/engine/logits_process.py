@@ -308,13 +308,13 @@ class LogitsProcessor:
         return torch.empty(rows, words, dtype=torch.int32, pin_memory=self.device.type == "cuda")
 
     def sampled(self, slots: Sequence[int], rows: list[int], ids: torch.Tensor,
-                counted: tuple[torch.Tensor, torch.Tensor] | None = None, uploaded: bool = False) -> None:
+                counted: tuple[torch.Tensor, ...] | None = None) -> None:
         """The step's sampled ids ([S] on the device) are in: add the processed rows' to their counts, and
-        mark their matchers one token behind until `consume` gives them the token. `uploaded`: `counted` is
-        count_rows' answer, taken before (then this queues device work only), else it is taken here."""
-        if not uploaded:
+        mark their matchers one token behind until `consume` gives them the token. `counted`: count_rows'
+        answer taken before (then this queues device work only); None: taken here."""
+        if counted is None:
             counted = self.count_rows(slots, rows)
-        if counted is not None:
+        if counted:
             at, pool = counted
             self.counts.index_put_((pool, ids.index_select(0, at)), torch.ones(at.shape[0], dtype=torch.int32,
                                                                                device=self.device), accumulate=True)
@@ -323,12 +323,12 @@ class LogitsProcessor:
             if state.matcher is not None:
                 state.behind += 1
 
-    def count_rows(self, slots: Sequence[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def count_rows(self, slots: Sequence[int], rows: list[int]) -> tuple[torch.Tensor, ...]:
         """(the step rows, their count rows) on the device of the processed rows whose tokens count toward
-        penalties, or None: what `sampled` uploads, for a caller that must upload before a device-side wait."""
+        penalties, () if none: what `sampled` uploads, for a caller that must upload before a device-side wait."""
         counted = [(i, self.slots[slots[i]].row) for i in rows if self.slots[slots[i]].row is not None]
         if not counted:
-            return None
+            return ()
         return self._upload([i for i, _ in counted], torch.long), self._upload([r for _, r in counted], torch.long)
 
     def consume(self, slot: int, req_id: int, tokens: Sequence[int]) -> None:

@@ -95,7 +95,7 @@ class MaskWait:
             counted = processor.count_rows(slots, late.processed)
             masks = processor.apply_deferred(late.logits, slots, late.processed, lambda: self.queue_wait(value))
             pending = sample_async(late.logits, late.rows, host)
-            processor.sampled(slots, late.processed, pending.ids, counted, uploaded=True)
+            processor.sampled(slots, late.processed, pending.ids, counted)
             last_tokens.index_copy_(0, late.sample_rows, pending.ids)
         except BaseException:
             self.release(value)
