@@ -60,6 +60,13 @@ class Child:
     partial: bytes = b""  # the start of a status line not read whole yet
 
 
+def _say(line: str) -> None:
+    """One line on stderr in one write: the actors share the stream, and a line printed as text then newline
+    (two writes when stderr writes through) can take another process's log line in between."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 class Instance:
     """One running instance: its regions, children and the reason it stops."""
 
@@ -185,7 +192,7 @@ class Instance:
 
     def _print_phase(self, text: str) -> None:
         actor = self.phase.progress.actor if self.phase is not None else "launch"
-        print(f"hkv-launch: {actor}: {text}", file=sys.stderr, flush=True)
+        _say(f"hkv-launch: {actor}: {text}")
         self.printed_at = time.monotonic()
 
     async def tick(self) -> None:
@@ -351,7 +358,7 @@ async def _supervise(inst: Instance) -> int:
         drain.cancel()
         reason = died.result()
         await inst.stop_children(inst.stop_order(), abandon=True)  # streams get an error event, at once
-        print(f"hkv-launch: stopped: {reason}", file=sys.stderr, flush=True)
+        _say(f"hkv-launch: stopped: {reason}")
         return 1
     died.cancel()
     await _drain(inst)
@@ -368,7 +375,7 @@ async def _drain(inst: Instance) -> None:
                        return_when=asyncio.FIRST_COMPLETED)
     halt.cancel()
     await inst.stop_children(inst.stop_order())
-    print("hkv-launch: drained and stopped", file=sys.stderr, flush=True)
+    _say("hkv-launch: drained and stopped")
 
 
 def _on_signal(inst: Instance) -> None:
@@ -393,17 +400,17 @@ async def _run(cfg: HkvConfig) -> int:
             if cfg.server.mode != "pd-master":  # the master holds no cache and no shared memory
                 inst.create_regions()
         except ConfigError as exc:
-            print(f"hkv-launch: error: {exc}", file=sys.stderr, flush=True)
+            _say(f"hkv-launch: error: {exc}")
             return 2
         await inst.start_all()
         failure = await inst.wait_ready()
         if failure is not None:
             await inst.stop_children(inst.stop_order())
-            print(f"hkv-launch: failed to start: {failure}", file=sys.stderr, flush=True)
+            _say(f"hkv-launch: failed to start: {failure}")
             return 1
         if inst.draining.is_set():  # a signal during start-up: nothing to drain
             await inst.stop_children(inst.stop_order())
-            print("hkv-launch: stopped during start-up", file=sys.stderr, flush=True)
+            _say("hkv-launch: stopped during start-up")
             return 0
         inst.serving = True
         url = f"http://{cfg.server.host}:{cfg.server.port}"
@@ -422,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_cli(argv)
     except ConfigError as exc:
-        print(f"hkv-launch: error: {exc}", file=sys.stderr)
+        _say(f"hkv-launch: error: {exc}")
         raise SystemExit(2) from None
     setup_logging(cfg.server.log_level, "launch")
     import uvloop
