@@ -269,13 +269,13 @@ KV_DOTS = {0: "fp8 * scale in the query's dtype", 1: "cast to the query's dtype,
 # sequences x KV heads (programs before the split) from which the wide tile applies
 WIDE_PROGRAMS = 32
 
-# (narrow, wide) decode tiles by page dtype: FP8 pages (True) or not. The second pair is the H200
-# decode_short sweep's (launch_paged_decode's docstring); FP8 pages use it too until the FP8 KV sweep
-# (tools/bench/bench_decode_fp8kv.py, `bench_kernels --only decode_fp8kv`) picks theirs: it prints the
-# entry to paste here.
+# (narrow, wide) decode tiles by page dtype: FP8 pages (True) or not. bf16 pages: the H200 decode_short
+# sweep's (launch_paged_decode's docstring). FP8 pages: the FP8 KV sweep's pick on an H100 at B1 / B32 x 32k
+# keys (tools/bench/bench_decode_fp8kv.py, `bench_kernels --only decode_fp8kv`, which prints the entry to
+# paste here; docs/benchmarks.md, "The decode attention sweep").
 DECODE_TILES: dict[bool, tuple[DecodeTile, DecodeTile]] = {
     False: (DecodeTile(64, 4, 3), DecodeTile(32, 4, 2)),
-    True: (DecodeTile(64, 4, 3), DecodeTile(32, 4, 2)),
+    True: (DecodeTile(128, 8, 3, 2.0, kv_dot=2), DecodeTile(64, 4, 2, 0.5, kv_dot=2)),
 }
 
 
