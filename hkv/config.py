@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from hkv.argtypes import batch_sizes
+from hkv.argtypes import batch_sizes, mask_cache_mode
 from hkv.engine.validate import MAX_SPEC_TOKENS
 from hkv.ipc.rundir import create_run_dir
 from hkv.keys import KeyHash  # noqa: F401  (re-exported: the api and tests take it from here)
@@ -159,11 +159,8 @@ class SchedulerConfig:
     max_queued_requests: int  # bounded admission queue at the router (429 beyond it)
     prefix_wait_tokens: int = 256  # a waiting prompt waits for another's prefill of a prefix this much longer; 0 = off
     grammar_threads: int = 0  # --grammar-threads: a rank's mask threads; 0 = grammar.default_mask_threads()
-    # experimental, $HKV_GRAMMAR_DEVICE_WAIT=1: CUDA ranks fill masks off the main thread, the device waits for them
-    grammar_device_wait: bool = False
-    # experimental, $HKV_GRAMMAR_MASK_CACHE=1 ("on") or =verify: json_schema masks cached by schema state
-    # (hkv/engine/mask_cache.py); "off" otherwise
-    grammar_mask_cache: str = "off"
+    grammar_device_wait: bool = False  # experimental $HKV_GRAMMAR_DEVICE_WAIT=1: masks off the main thread, CUDA waits
+    grammar_mask_cache: str = "on"  # $HKV_GRAMMAR_MASK_CACHE: 0 "off", verify; json_schema masks by schema state
 
 
 @dataclass(frozen=True)
@@ -457,6 +454,13 @@ def _profile_steps(max_running: int) -> dict:
     return {"profile_rows": rows, "profile_dir": str(Path(folder).absolute()) if folder else ""}
 
 
+def _env_mode(name: str, parse) -> str:  # $name through parse (unset reads as ""); a bad value exits 2
+    try:
+        return parse(os.environ.get(name, ""))
+    except ValueError as exc:
+        raise ConfigError(f"{name}={os.environ.get(name)!r}: want {exc}") from None
+
+
 def _cpu_threads() -> int:
     """Intra-op threads for a CPU rank: spinning OpenMP threads that share cores with the
     api and router slow small forwards tenfold, so keep two cores free when there are few."""
@@ -572,12 +576,13 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
     cache = _cache_config(args, spec, max_running, on_cpu, kv_dtype or dtype)
     server = _server_config(args, name, spec)
     compile_cache_dir = _compile_cache_dir(args.compile_cache_dir)
-    run_dir = create_run_dir(name)  # mode 0700, marked with this process as its creator
+    profile, mask_cache = _profile_steps(max_running), _env_mode("HKV_GRAMMAR_MASK_CACHE", mask_cache_mode)
+    run_dir = create_run_dir(name)  # mode 0700, marked with this process as its creator; nothing may fail after it
     return HkvConfig(
         model=ModelConfig(args.model, path, dtype, device, args.tp, args.seed, _cpu_threads(), spec,
                           cuda_graph_max_bs=_graph_max_bs(args, max_running, on_cpu),
                           compile_cache_dir=compile_cache_dir, kv_dtype=kv_dtype, quantize=args.quantize,
-                          **_profile_steps(max_running)),
+                          **profile),
         cache=cache,
         scheduler=SchedulerConfig(
             max_running_requests=max_running,
@@ -586,7 +591,7 @@ def parse_cli(argv: list[str] | None = None) -> HkvConfig:
             prefix_wait_tokens=args.prefix_wait_tokens,
             grammar_threads=args.grammar_threads or 0,
             grammar_device_wait=os.environ.get("HKV_GRAMMAR_DEVICE_WAIT") == "1",  # hkv/engine/mask_wait.py
-            grammar_mask_cache={"1": "on", "verify": "verify"}.get(os.environ.get("HKV_GRAMMAR_MASK_CACHE", ""), "off"),
+            grammar_mask_cache=mask_cache,
         ),
         spec=SpecConfig(args.spec_tokens, args.draft_window or 0, os.environ.get("HKV_SPEC_ORACLE") or None),
         server=server,

@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import shutil
+import tempfile
 
 import pytest
 
@@ -382,12 +383,24 @@ def test_the_grammar_device_wait_comes_from_its_variable_only_when_1(tmp_path, m
         assert read.grammar_device_wait is on
 
 
-def test_the_grammar_mask_cache_comes_from_its_variable_only_when_1_or_verify(tmp_path, monkeypatch):
+def test_the_grammar_mask_cache_is_on_unless_its_variable_says_0_or_verify(tmp_path, monkeypatch):
     folder = str(_qwen3_5_folder(tmp_path))
-    for value, mode in ((None, "off"), ("0", "off"), ("yes", "off"), ("1", "on"), ("verify", "verify")):
+    for value, mode in ((None, "on"), ("1", "on"), ("0", "off"), ("verify", "verify")):
         parsed, read = _schedulers_under(monkeypatch, folder, "HKV_GRAMMAR_MASK_CACHE", value)
         assert parsed.grammar_mask_cache == mode
         assert read.grammar_mask_cache == mode
+    runs = tmp_path / "runs"  # where parse_cli's run directories go here: none may be left by a refused start
+    runs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(runs))
+    for typo in ("yes", "off", "2"):  # a value it does not know is an error naming the variable, not a guess
+        monkeypatch.setenv("HKV_GRAMMAR_MASK_CACHE", typo)
+        with pytest.raises(ConfigError, match=f"HKV_GRAMMAR_MASK_CACHE='{typo}'"):
+            parse_cli(["--device", "cpu", "--model", folder])
+    monkeypatch.setenv("HKV_GRAMMAR_MASK_CACHE", "1")
+    monkeypatch.setenv("HKV_PROFILE_STEPS", "0")
+    with pytest.raises(ConfigError, match="HKV_PROFILE_STEPS"):
+        parse_cli(["--device", "cpu", "--model", folder])
+    assert list(runs.iterdir()) == []
 
 
 def test_the_step_profile_comes_from_its_variables(tmp_path, monkeypatch):

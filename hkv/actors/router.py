@@ -420,6 +420,9 @@ class Router:
         if result.grammar_rows:  # checked by count_result: 0..sampled rows, finite seconds
             self.stats.add_many({"grammar_steps": 1, "grammar_mask_s": result.grammar_mask_s,
                                  "grammar_rows": result.grammar_rows, "grammar_wait_s": result.grammar_wait_s})
+        if result.grammar_cache_hits or result.grammar_cache_misses:  # checked by count_result: 0..MAX_CACHE_FILLS
+            self.stats.add_many({"grammar_cache_hits": result.grammar_cache_hits,
+                                 "grammar_cache_misses": result.grammar_cache_misses})
         if 0 < result.graph <= len(stats.GRAPH_KINDS):  # a rank's value: anything else counts as eager
             self.stats.add(f"graph_steps_{stats.GRAPH_KINDS[result.graph - 1]}", 1)
         self.record_pools()

@@ -51,7 +51,7 @@ log = logging.getLogger("hkv.grammar")
 T = TypeVar("T")
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MASK_CACHE_MODES = ("off", "on", "verify")  # HKV_GRAMMAR_MASK_CACHE unset, =1, =verify (hkv/engine/mask_cache.py)
+MASK_CACHE_MODES = ("off", "on", "verify")  # HKV_GRAMMAR_MASK_CACHE=0, unset or 1, verify (hkv/engine/mask_cache.py)
 
 
 class GrammarError(ValueError):
@@ -252,7 +252,7 @@ class Grammars:
     tokenizer_json: the checkpoint's tokenizer.json; vocab_size: the model's logit rows (ids past the
     tokenizer's are never allowed); eos_ids: the tokens that end a sequence (allowed where the grammar
     may end, and alone once it has); threads: the mask threads (None: default_mask_threads()); mask_cache: one
-    of MASK_CACHE_MODES, HKV_GRAMMAR_MASK_CACHE (experimental, hkv/engine/mask_cache.py): json_schema masks
+    of MASK_CACHE_MODES, HKV_GRAMMAR_MASK_CACHE (a server's default is on; hkv/engine/mask_cache.py): json_schema masks
     inside bounded strings cached by the matcher's place in its schema, on a byte-level BPE tokenizer only
     (its tracker follows each token's bytes); `self.mask_cache` (None without) counts hits and misses."""
 
@@ -270,9 +270,9 @@ class Grammars:
         self.words = mask_words(vocab_size)
         self._token_bytes: list[bytes] = byte_level.tokens if byte_level else []
         self.mask_cache: MaskCaches | None = None
-        if mask_cache != "off" and byte_level is None:
-            log.warning("HKV_GRAMMAR_MASK_CACHE is set but %s is not a byte-level BPE tokenizer: no mask cache",
-                        tokenizer_json)
+        if mask_cache != "off" and byte_level is None:  # on by default: a warning only where verify was asked for
+            (log.warning if mask_cache == "verify" else log.info)(
+                "no grammar mask cache: %s is not a byte-level BPE tokenizer (HKV_GRAMMAR_MASK_CACHE)", tokenizer_json)
         elif mask_cache != "off":
             self.mask_cache = MaskCaches(max(map(len, self._token_bytes)), verify=mask_cache == "verify")
 

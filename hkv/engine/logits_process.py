@@ -104,6 +104,7 @@ class GrammarLoader:
         self._grammars: Grammars | None = None
         self._error: str | None = None
         self._thread: threading.Thread | None = None
+        self._reported = (0, 0)  # the mask cache's (hits, misses) at the last cache_fills()
         if tokenizer_json is None:
             self._error = "this checkpoint has no tokenizer.json"
             return
@@ -117,6 +118,19 @@ class GrammarLoader:
         except Exception as exc:  # structured output refuses its requests; the rest serves on
             self._error = f"{type(exc).__name__}: {exc}"
             log.warning("structured output is unavailable: %s", self._error)
+
+    def cache_counts(self) -> tuple[int, int]:
+        """The mask cache's keyed fills so far (hits, misses); (0, 0) before the load, on failure or without a cache."""
+        cache = self._grammars.mask_cache if self._grammars is not None else None
+        return (cache.hits, cache.misses) if cache is not None else (0, 0)
+
+    def cache_fills(self) -> tuple[int, int]:
+        """The mask cache's hits and misses since the last call (a step result's StepResult.grammar_cache_*; the
+        counts are cumulative under the cache's lock, so fills still running land in a later result)."""
+        hits, misses = self.cache_counts()
+        last_hits, last_misses = self._reported
+        self._reported = (hits, misses)
+        return hits - last_hits, misses - last_misses
 
     def get(self) -> Grammars:
         if self._thread is not None:
@@ -205,6 +219,11 @@ class LogitsProcessor:
         if not self.slots:
             return None
         return {s: st.req_id for s in slots if (st := self.slots.get(s)) is not None and st.matcher is not None} or None
+
+    def cache_fills(self) -> dict[str, int]:
+        """StepResult's grammar_cache_hits / misses: the mask cache's fills since the last call (0 without grammars)."""
+        hits, misses = self.grammars.cache_fills() if self.grammars is not None else (0, 0)
+        return {"grammar_cache_hits": hits, "grammar_cache_misses": misses}
 
     def behind(self, slots: Sequence[int]) -> bool:
         """Some grammar row's matcher still waits for a token a running step samples."""

@@ -300,9 +300,9 @@ class ModelRunner:
             _log_peer_copies(launched.peer_timings)
         sampled = [Sampled(s, o.token_id, o.logprob, o.top_logprobs) for s, o in zip(launched.slots, outs)]
         self._consume(launched, sampled)
-        mask_s, rows, wait_s = launched.grammar
+        (mask_s, rows, wait_s), fills = launched.grammar, self.processor.cache_fills()
         return StepResult(plan.step, sampled, forward_s, graph=launched.graph, transfers=self._transfers(),
-                          grammar_mask_s=mask_s, grammar_rows=rows, grammar_wait_s=wait_s)
+                          grammar_mask_s=mask_s, grammar_rows=rows, grammar_wait_s=wait_s, **fills)
 
     def _consume(self, launched: "Launched", sampled: list[Sampled]) -> None:
         """Grammar rows' matchers take the tokens their step emitted."""

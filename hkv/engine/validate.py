@@ -22,6 +22,7 @@ from hkv.ipc.messages import (
 INT64_MAX = 2**63 - 1  # request-table req_id is int64
 MAX_LOGPROBS = 20  # alternatives per token a sequence may ask for
 MAX_SPEC_TOKENS = 8  # --spec-tokens at most (hkv.config checks the flag against it)
+MAX_CACHE_FILLS = 1 << 24  # grammar mask cache fills a step result may report (a rank's since its last result)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,8 @@ def _result(result: StepResult, plan: StepPlan, vocab_size: int) -> str | None:
     sampling_slots = [c.slot for c in plan.chunks if c.sample]
     if [s.slot for s in result.sampled] != sampling_slots:
         return f"sampled slots {[s.slot for s in result.sampled][:8]} do not match the plan's {sampling_slots[:8]}"
+    if not all(0 <= n <= MAX_CACHE_FILLS for n in (result.grammar_cache_hits, result.grammar_cache_misses)):
+        return f"grammar cache figures out of range ({result.grammar_cache_hits}, {result.grammar_cache_misses})"
     if not 0 <= result.grammar_rows <= len(result.sampled) or not all(
             _within(v, 0.0, 3600.0) for v in (result.grammar_mask_s, result.grammar_wait_s)):
         return f"grammar figures out of range ({result.grammar_rows} rows, {result.grammar_mask_s} s, " \

@@ -444,6 +444,9 @@ class StepResult(msgspec.Struct, frozen=True, tag="result"):
     grammar_mask_s: float = 0.0
     grammar_rows: int = 0
     grammar_wait_s: float = 0.0
+    # the grammar mask cache's keyed fills since the rank's last result (HKV_GRAMMAR_MASK_CACHE): hits, misses
+    grammar_cache_hits: int = 0
+    grammar_cache_misses: int = 0
 
 
 class RankReady(msgspec.Struct, frozen=True, tag="ready"):

@@ -14,8 +14,8 @@ from hkv.engine.validate import MAX_SPEC_TOKENS
 
 REGION = "router_stats"
 GRAPH_KINDS = ("decode", "short_prefill", "verify", "mixed")  # StepResult.graph 1 to 4 (hkv.ipc.messages.STEP_*)
-VERSION = 10  # 5: cached_tokens_peer; 6: graph_steps_*; 7: pd_pair_*; 8: graph_steps_mixed; 9: prefix_waits;
-#              10: grammar_*
+VERSION = 11  # 5: cached_tokens_peer; 6: graph_steps_*; 7: pd_pair_*; 8: graph_steps_mixed; 9: prefix_waits;
+#              10: grammar_*; 11: grammar_cache_*
 
 FIELDS = (
     "steps",  # steps run
@@ -67,6 +67,8 @@ FIELDS = (
     "grammar_mask_s",  # counter: seconds those steps' ranks spent filling masks (llguidance), summed
     "grammar_rows",  # counter: live matchers those fills computed, summed
     "grammar_wait_s",  # counter: seconds late-sampled steps waited, forward queued to masks started, summed
+    "grammar_cache_hits",  # counter: grammar masks taken from the mask cache (HKV_GRAMMAR_MASK_CACHE)
+    "grammar_cache_misses",  # counter: keyed masks llguidance computed and the cache kept
 )
 NBYTES = len(FIELDS) * 8
 

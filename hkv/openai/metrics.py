@@ -44,6 +44,10 @@ class _EngineStatsCollector:
         ("hkv_engine_grammar_rows", "Live grammar rows whose masks those steps filled", "grammar_rows"),
         ("hkv_engine_grammar_wait_seconds", "Seconds late-sampled grammar steps waited between their forward "
          "being queued and their masks starting (the step before's answer)", "grammar_wait_s"),
+        ("hkv_engine_grammar_mask_cache_hits", "Grammar token masks taken from the mask cache (JSON schemas inside "
+         "strings, HKV_GRAMMAR_MASK_CACHE)", "grammar_cache_hits"),
+        ("hkv_engine_grammar_mask_cache_misses", "Grammar token masks the mask cache had not seen: computed by "
+         "llguidance and kept", "grammar_cache_misses"),
         ("hkv_engine_prefill_tokens", "Prompt (and recomputed) tokens run", "prefill_tokens"),
         ("hkv_engine_preemptions", "Sequences preempted for pages", "preemptions"),
         ("hkv_engine_prefix_waits", "Requests that waited for a prefix another request was prefilling", "prefix_waits"),

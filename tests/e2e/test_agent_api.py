@@ -501,6 +501,10 @@ def test_json_schema_constrained_50_of_50(request, model):
     # each answer is more than 5 tokens of JSON; its last token (EOS, once the grammar is done) was no live row
     assert 50 * 5 <= delta["hkv_engine_grammar_rows_total"] <= tokens - 50, (delta, tokens)
     assert delta["hkv_engine_grammar_wait_seconds_total"] == 0.0, delta  # on CPU a step samples at once
+    # the mask cache (on by default) keyed the states inside "name" (maxLength 8); 50 answers of one schema
+    # meet the same states again, and a keyed fill is a hit or a miss, never more than the rows filled
+    hits, misses = delta["hkv_engine_grammar_mask_cache_hits_total"], delta["hkv_engine_grammar_mask_cache_misses_total"]
+    assert hits > 0 and misses > 0 and hits + misses <= delta["hkv_engine_grammar_rows_total"], delta
 
 
 # Qwen3's and Qwen3.5's tokenizers carry their tags as added tokens that are no special tokens. llguidance

@@ -221,3 +221,31 @@ def test_a_grammar_row_planned_ahead_samples_once_the_step_before_is_answered():
         assert not matcher.failed
     text = Tokenizer.from_file(str(SHIPPED_DIR / "tokenizer.json")).decode(want[0][:ended])
     assert re.fullmatch(pattern, text) if ended < len(want[0]) else re.fullmatch("[a-z]+( = [0-9]?)?|[a-z]+ ?=?", text)
+
+
+def test_step_results_carry_the_mask_caches_fills_since_the_last_result():
+    """HKV_GRAMMAR_MASK_CACHE (on in a server): a JSON-schema row inside a bounded string fills its mask through
+    the cache; the step results' grammar_cache_hits / misses are deltas whose sums are the cache's own counts."""
+    import json
+
+    from hkv.engine.logits_process import GrammarLoader
+    from hkv.ipc.messages import Constraint
+    from hkv.models.tiny import SHIPPED_DIR
+
+    vocab = 4096
+    loader = GrammarLoader(str(SHIPPED_DIR / "tokenizer.json"), vocab, [0], mask_cache="on")
+    schema = json.dumps({"type": "array", "minItems": 4, "maxItems": 4,
+                         "items": {"type": "string", "minLength": 2, "maxLength": 3}})
+    new = [NewSequence(0, 100, SamplingParams(max_tokens=24, constraint=Constraint("json_schema", schema))),
+           NewSequence(1, 101, SAMPLING)]
+    runner, driver = _grammar_runner(vocab, loader)
+    first = driver.plan([(0, [5, 6, 7]), (1, [8, 9])], [])
+    result = runner.finish(runner.launch(StepPlan(1, new, first.chunks, [])))
+    fills = [(result.grammar_cache_hits, result.grammar_cache_misses)]
+    for step in range(2, 25):
+        last = {s.slot: s.token_id for s in result.sampled}
+        result = runner.finish(runner.launch(_decode_plan(driver, step, last)))
+        fills.append((result.grammar_cache_hits, result.grammar_cache_misses))
+    hits, misses = loader.cache_counts()
+    assert misses > 0 and (sum(h for h, _ in fills), sum(m for _, m in fills)) == (hits, misses), (fills, hits, misses)
+    assert all(h + m <= 1 for h, m in fills), fills  # one constrained row: at most one keyed fill a step

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hkv.engine.validate import InboxCheck, RouterLimits
+from hkv.engine.validate import MAX_CACHE_FILLS, InboxCheck, RouterLimits
 from hkv.ipc.messages import (
     MAX_CONSTRAINT_CHARS, Chunk, Constraint, GenerateRequest, Sampled, SamplingParams, StepPlan, StepResult, TopLogprob,
 )  # fmt: skip
@@ -97,8 +97,13 @@ def test_a_failed_step_is_a_valid_answer():
     (dict(grammar_rows=1, grammar_mask_s=math.nan), False),
     (dict(grammar_rows=1, grammar_wait_s=-0.5), False),
     (dict(grammar_rows=1, grammar_mask_s=math.inf), False),
+    (dict(grammar_rows=2, grammar_cache_hits=7, grammar_cache_misses=3), True),
+    (dict(grammar_cache_hits=5), True),  # fills a background fill made after its own step's result
+    (dict(grammar_cache_hits=-1), False),
+    (dict(grammar_cache_misses=MAX_CACHE_FILLS + 1), False),
 ])
 def test_a_results_grammar_figures_are_checked(figures, ok):
+    """grammar_rows against the sampled rows, the seconds finite and >= 0, the cache's fills in 0..MAX_CACHE_FILLS."""
     sampled = [Sampled(0, 5, None, None), Sampled(2, 6, None, None)]
     reason = InboxCheck(LIMITS).result(StepResult(3, sampled, 0.01, **figures), _plan())
-    assert (reason is None) == ok and (ok or "grammar figures" in reason)
+    assert (reason is None) == ok and (ok or "grammar" in reason and "figures out of range" in reason)

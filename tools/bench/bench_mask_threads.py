@@ -8,7 +8,7 @@ drops its maxLength) for `--steps` tokens each, tokens drawn uniformly from thei
 model picks), then replays the same walks and times each step's fill of all rows: hkv's MaskWorkers (the
 rank's row queue) and llguidance's LLExecutor, at each thread count, with `--busy` processes spinning beside
 (a served host's api, router and client keep cores busy). Prints the mean fill a step, the best of 2 replays.
-`--cache` adds the row queue with HKV_GRAMMAR_MASK_CACHE=1's cache (hkv/engine/mask_cache.py), warmed by one
+`--cache` adds the row queue with the mask cache (hkv/engine/mask_cache.py, a server's default), warmed by one
 replay first, as a server's stays warm across a schema's requests.
 On a device host this tells the mask thread count to use (`--grammar-threads`) and how far the fill scales.
 """

@@ -43,7 +43,8 @@ SCHEMA = {"type": "array", "minItems": 40, "items": {
                    "kind": {"enum": ["tool", "note", "task", "event"]},
                    "done": {"type": "boolean"}},
     "required": ["id", "name", "kind", "done"], "additionalProperties": False}}
-GRAMMAR_COUNTERS = ("steps", "mask_seconds", "rows", "wait_seconds")  # hkv_engine_grammar_<name>_total
+# hkv_engine_grammar_<name>_total
+GRAMMAR_COUNTERS = ("steps", "mask_seconds", "rows", "wait_seconds", "mask_cache_hits", "mask_cache_misses")
 
 
 def schema_of(name: str) -> dict:
@@ -108,7 +109,8 @@ def _step_ms(before: dict | None, after: dict | None) -> float | None:
 
 def grammar_figures(before: dict | None, after: dict | None) -> dict | None:
     """The ranks' mask figures between two scrapes: steps with grammar rows, the mean mask fill (ms) and
-    live rows per such step, the mean late wait (ms); None without both scrapes or with no such step."""
+    live rows per such step, the mean late wait (ms), the mask cache's hits and misses; None without both scrapes
+    or with no such step."""
     if not before or not after:
         return None
     delta = {k: after.get(f"hkv_engine_grammar_{k}_total", 0.0) - before.get(f"hkv_engine_grammar_{k}_total", 0.0)
@@ -118,7 +120,8 @@ def grammar_figures(before: dict | None, after: dict | None) -> dict | None:
         return None
     return {"steps": int(steps), "mask_ms": 1e3 * delta["mask_seconds"] / steps, "rows": delta["rows"] / steps,
             "wait_ms": 1e3 * delta["wait_seconds"] / steps,
-            "mask_us_per_row": 1e6 * delta["mask_seconds"] / delta["rows"] if delta["rows"] else None}
+            "mask_us_per_row": 1e6 * delta["mask_seconds"] / delta["rows"] if delta["rows"] else None,
+            "cache_hits": int(delta["mask_cache_hits"]), "cache_misses": int(delta["mask_cache_misses"])}
 
 
 def _figures(results: list[RequestResult], kinds: list[bool], before, after) -> dict:
@@ -181,7 +184,8 @@ def report(out: dict) -> str:
     g = out["mixed"].get("grammar")
     lines.append("grammar masks: none counted (a server without hkv_engine_grammar_*?)" if not g else
                  f"grammar masks: {g['mask_ms']:.3f} ms a step with grammar rows ({g['steps']} steps, "
-                 f"{g['rows']:.1f} live rows, {g['mask_us_per_row'] or 0:.1f} us a row), late wait {g['wait_ms']:.3f} ms")
+                 f"{g['rows']:.1f} live rows, {g['mask_us_per_row'] or 0:.1f} us a row), late wait {g['wait_ms']:.3f} ms; "
+                 f"mask cache {g['cache_hits']} hits, {g['cache_misses']} misses")
     lines.append(f"a constrained answer: {out['sample']!r}; answers not starting as SCHEMA's: {out['malformed']}")
     return "\n".join(lines)
 

@@ -11,8 +11,9 @@
 # default threads: $OUT/structured_device_wait.json. Warm restarts (the first is issue 38's second-start time)
 # then run the bounded schema with --grammar-threads 1, 2 and 8, one restart each (THREADS="1 2 8"; RESTART=0
 # skips them; their lines are in the log). About 7 minutes with DEVICE_WAIT=1 on a fresh machine; DEVICE_WAIT=tests runs
-# only the device wait's GPU tests. MASK_CACHE=1 adds restarts with HKV_GRAMMAR_MASK_CACHE=1 (the bounded schema, with
-# and, under DEVICE_WAIT=1, also with the device wait): $OUT/structured_mask_cache_wait{0,1}.json. WAIT_TESTS=0 skips
+# only the device wait's GPU tests. The mask cache is on by default (HKV_GRAMMAR_MASK_CACHE); MASK_CACHE=1 adds restarts
+# with HKV_GRAMMAR_MASK_CACHE=0 (the bounded schema without it, and under DEVICE_WAIT=1 also with the device wait):
+# $OUT/structured_mask_cache_off_wait{0,1}.json. WAIT_TESTS=0 skips
 # the device wait's tests under DEVICE_WAIT=1 (a call after the one that ran them), UNBOUNDED=0 the unbounded round:
 #   MASK_CACHE=1 DEVICE_WAIT=1 WAIT_TESTS=0 UNBOUNDED=0 RESTART=0 bash tools/gpu/gpu_structured.sh   (about 6 minutes)
 # Results: $OUT/structured.json, $OUT/structured_unbounded.json, $OUT/startup_*.log and $OUT/gpu_structured.log
@@ -70,13 +71,13 @@ start s_structured --max-running-requests 64 && {
     }
     unset HKV_GRAMMAR_DEVICE_WAIT
   fi
-  if [[ ${MASK_CACHE:-0} == 1 ]]; then  # HKV_GRAMMAR_MASK_CACHE=1 (hkv/engine/mask_cache.py), alone and with the wait
+  if [[ ${MASK_CACHE:-0} == 1 ]]; then  # HKV_GRAMMAR_MASK_CACHE=0 (hkv/engine/mask_cache.py), alone and with the wait
     waits="0"; [[ ${DEVICE_WAIT:-0} == 1 ]] && waits="0 1"
     for wait in $waits; do
-      say "start again with HKV_GRAMMAR_MASK_CACHE=1 and HKV_GRAMMAR_DEVICE_WAIT=$wait: the bounded schema"
-      HKV_GRAMMAR_MASK_CACHE=1 HKV_GRAMMAR_DEVICE_WAIT=$wait start s_structured --max-running-requests 64 && {
+      say "start again with HKV_GRAMMAR_MASK_CACHE=0 (no mask cache) and HKV_GRAMMAR_DEVICE_WAIT=$wait: the bounded schema"
+      HKV_GRAMMAR_MASK_CACHE=0 HKV_GRAMMAR_DEVICE_WAIT=$wait start s_structured --max-running-requests 64 && {
         timeout 300 python3 -m tools.bench.bench_structured --url "http://127.0.0.1:$PORT" --streams 64 \
-          --constrained 32 --json "$OUT/structured_mask_cache_wait$wait.json" 2>&1 | tee -a "$LOG"
+          --constrained 32 --json "$OUT/structured_mask_cache_off_wait$wait.json" 2>&1 | tee -a "$LOG"
         stop
       }
     done

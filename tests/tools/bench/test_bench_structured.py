@@ -21,12 +21,14 @@ def scrape(**values) -> dict[str, float]:
 
 
 def test_grammar_figures_are_the_means_between_two_scrapes():
-    before = scrape(grammar_steps=10, grammar_mask_s=0.5, grammar_rows=100, grammar_wait_s=0.1)
-    after = scrape(grammar_steps=110, grammar_mask_s=0.8, grammar_rows=3300, grammar_wait_s=0.15)
+    before = scrape(grammar_steps=10, grammar_mask_s=0.5, grammar_rows=100, grammar_wait_s=0.1, grammar_cache_hits=4)
+    after = scrape(grammar_steps=110, grammar_mask_s=0.8, grammar_rows=3300, grammar_wait_s=0.15, grammar_cache_hits=900,
+                   grammar_cache_misses=60)
     g = grammar_figures(before, after)
     assert g["steps"] == 100 and g["rows"] == pytest.approx(32.0)
     assert g["mask_ms"] == pytest.approx(3.0) and g["wait_ms"] == pytest.approx(0.5)
     assert g["mask_us_per_row"] == pytest.approx(1e6 * 0.3 / 3200)
+    assert (g["cache_hits"], g["cache_misses"]) == (896, 60)
 
 
 def test_no_grammar_steps_or_no_scrape_gives_none():
@@ -48,10 +50,11 @@ def test_the_unbounded_schema_drops_only_the_max_length():
 
 def test_the_report_prints_the_mask_figures():
     round_ = {"step_ms": 4.0, "itl_median_ms": 4.2, "groups": {}, "grammar": None}
-    g = grammar_figures(scrape(), scrape(grammar_steps=2, grammar_mask_s=0.01, grammar_rows=64, grammar_wait_s=0.002))
+    g = grammar_figures(scrape(), scrape(grammar_steps=2, grammar_mask_s=0.01, grammar_rows=64, grammar_wait_s=0.002,
+                                         grammar_cache_hits=50, grammar_cache_misses=6))
     out = {"streams": 64, "constrained": 32, "schema": "unbounded", "input_len": 128, "output_len": 256,
            "plain": round_, "mixed": {**round_, "grammar": g}, "sample": "[", "malformed": 0}
     text = report(out)
     assert "(unbounded schema)" in text
     assert "grammar masks: 5.000 ms a step with grammar rows (2 steps, 32.0 live rows, 156.2 us a row), " \
-           "late wait 1.000 ms" in text
+           "late wait 1.000 ms; mask cache 50 hits, 6 misses" in text
