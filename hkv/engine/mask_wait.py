@@ -18,7 +18,11 @@ the logits at launch, before the fill that the same thread starts later, and dea
 For the same reason nothing queued behind a wait allocates pinned host memory: a cudaHostAlloc (a page-locked
 allocation, which the CUDA programming guide lists among the implicitly synchronizing operations) could block the
 rank's thread until the device drains, while the device waits for a fill that thread has yet to start. Their
-host-to-device uploads and the sampled ids' pinned buffer are taken before the wait is queued.
+host-to-device uploads and the sampled ids' pinned buffer are taken before the wait is queued. A device memory
+allocation is on the same list, and the masking and sampling behind the wait do allocate (their [rows, vocab]
+temporaries, from torch's caching allocator): so right before the wait the launch allocates and frees blocks as large
+as that work's peak (`reserve`), and the allocator serves the work from them instead of calling cudaMalloc. The
+2026-12-06 H100 run hung in the flag primitive's test exactly there: a first device allocation queued behind a wait.
 """
 
 from __future__ import annotations
@@ -35,6 +39,21 @@ from hkv.engine.sampler import PendingSample, pinned_ids, sample_async, samples_
 
 if TYPE_CHECKING:
     from hkv.engine.model_runner import LateSample
+
+
+# bytes a grammar row's masking and sampling behind a wait may hold at once, per logit: the unpacked mask (int32) and
+# its shift, the == 0 test (bool), the rows' index_select and masked_fill (fp32), with margin (LogitsProcessor._mask)
+RESERVE_PER_LOGIT = 20
+SMALL_RESERVE = 1 << 20  # bytes of the allocator's small pool (blocks up to 1 MiB: the bits, ids, indices, counts)
+
+
+def reserve(device: torch.device, nbytes: int) -> None:
+    """Allocate and free at once `nbytes` (and SMALL_RESERVE of small blocks) on `device`'s current stream, so that
+    the caching allocator holds that much free memory for the device work queued right after (module docstring)."""
+    if device.type != "cuda":
+        return
+    torch.empty(nbytes, dtype=torch.uint8, device=device)
+    torch.empty(SMALL_RESERVE, dtype=torch.uint8, device=device)
 
 
 class Flag(Protocol):
@@ -93,7 +112,9 @@ class MaskWait:
             # uploads and pinned buffers first: behind the wait only device work is queued (module docstring)
             host = pinned_ids(len(late.rows)) if samples_on_device(late.logits, late.rows) else None
             counted = processor.count_rows(slots, late.processed)
-            masks = processor.apply_deferred(late.logits, slots, late.processed, lambda: self.queue_wait(value))
+            need = RESERVE_PER_LOGIT * len(late.processed) * late.logits.shape[-1]  # the grammar rows are among these
+            masks = processor.apply_deferred(late.logits, slots, late.processed,
+                                             lambda: self.queue_wait(value, late.logits.device, need))
             pending = sample_async(late.logits, late.rows, host)
             processor.sampled(slots, late.processed, pending.ids, counted)
             last_tokens.index_copy_(0, late.sample_rows, pending.ids)
@@ -102,7 +123,11 @@ class MaskWait:
             raise
         return pending, PendingFill(value, masks, late.queued)
 
-    def queue_wait(self, value: int) -> None:
+    def queue_wait(self, value: int, device: torch.device | None = None, reserve_bytes: int = 0) -> None:
+        """Queue the device-side wait for `value`, after reserving `reserve_bytes` of cached device memory for the
+        work behind it."""
+        if device is not None:
+            reserve(device, reserve_bytes)
         self.flag.wait(value)
 
     def release(self, value: int) -> None:

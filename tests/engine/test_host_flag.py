@@ -72,9 +72,16 @@ def test_a_stream_waits_for_a_flag_another_thread_sets_and_sees_what_was_written
     host = torch.zeros(1024, dtype=torch.int32, pin_memory=True)
     stream = torch.cuda.Stream(device)
     done = torch.cuda.Event()
+    # nothing behind the wait allocates or loads a kernel first: a device allocation may synchronize the device
+    # (the 2026-12-06 H100 run hung here, the writer not yet started), and so may a lazily loaded kernel
+    got = torch.zeros(1024, dtype=torch.int32, device=device)
+    doubled = torch.zeros_like(got)
+    torch.mul(got, 2, out=doubled)
+    torch.cuda.synchronize(device)
     with torch.cuda.stream(stream):
         flag.wait(1, stream)
-        got = host.to(device, non_blocking=True) * 2  # the copy engine reads host memory after the wait
+        got.copy_(host, non_blocking=True)  # the copy engine reads host memory after the wait
+        torch.mul(got, 2, out=doubled)
         done.record(stream)
 
     def writer() -> None:
@@ -91,7 +98,7 @@ def test_a_stream_waits_for_a_flag_another_thread_sets_and_sees_what_was_written
     waited = time.perf_counter() - started
     thread.join()
     assert waited >= 0.045, waited
-    assert torch.equal(got.cpu(), torch.arange(1024, dtype=torch.int32) * 2)
+    assert torch.equal(doubled.cpu(), torch.arange(1024, dtype=torch.int32) * 2)
     # the comparison is cyclic: a value past 2**32 wraps and still passes earlier waits
     flag.set(MASK32)
     flag.wait(MASK32 - 5, stream)

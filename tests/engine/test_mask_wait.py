@@ -246,7 +246,8 @@ def test_a_launch_that_fails_after_its_wait_releases_it(loader, monkeypatch):
 def test_nothing_queued_behind_a_wait_uploads_or_allocates_pinned_memory(loader, monkeypatch):
     """A pinned allocation (or an upload from one) behind the wait could block the rank's thread until the device
     drains, while the device waits for a fill that thread starts only after the launch: each deferred launch
-    uploads its rows, penalty counts included, and takes the ids' pinned buffer before it queues its wait."""
+    uploads its rows, penalty counts included, and takes the ids' pinned buffer before it queues its wait. A device
+    allocation could block alike: right before the wait it reserves cached device memory for the work behind it."""
     from hkv.engine import sampler
     from tests.engine.test_model_runner import _decode_plan
 
@@ -262,6 +263,11 @@ def test_nothing_queued_behind_a_wait_uploads_or_allocates_pinned_memory(loader,
         return torch.empty(rows, dtype=torch.long)
 
     real_upload = LogitsProcessor._upload
+    reserved: list[int] = []
+
+    def reserving(device, nbytes: int) -> None:
+        events.append("reserve")
+        reserved.append(nbytes)
 
     def upload(self, values, dtype):
         events.append("upload")
@@ -275,6 +281,7 @@ def test_nothing_queued_behind_a_wait_uploads_or_allocates_pinned_memory(loader,
     monkeypatch.setattr(LogitsProcessor, "_upload", upload)
     monkeypatch.setattr(LogitsProcessor, "_mask_buffer",
                         lambda self, rows, words: torch.zeros(rows, words, dtype=torch.int32))
+    monkeypatch.setattr(mask_wait, "reserve", reserving)
     flag = OrderFlag()
     runner, driver = _runner(loader, flag)
     constrained = SamplingParams(max_tokens=16, presence_penalty=0.5, constraint=Constraint("regex", "[a-z]+"))
@@ -288,6 +295,9 @@ def test_nothing_queued_behind_a_wait_uploads_or_allocates_pinned_memory(loader,
         seen = events[start:]
         assert seen.count("wait") == 1 and "pin" in seen and "upload" in seen, seen
         assert seen[seen.index("wait") + 1:] == [], seen  # nothing after the wait
+        assert seen[seen.index("wait") - 1] == "reserve" and seen.count("reserve") == 1, seen  # right before it
+        # the one processed row's masking peaks at 17 bytes a logit ([rows, vocab] int32 x2, bool, fp32 x2)
+        assert reserved[-1] >= 17 * runner.model.cfg.vocab_size, reserved
         assert runner.finish(launched).error is None
         runner.complete(nxt)
         launched = nxt
