@@ -22,7 +22,8 @@ host-to-device uploads and the sampled ids' pinned buffer are taken before the w
 allocation is on the same list, and the masking and sampling behind the wait do allocate (their [rows, vocab]
 temporaries, from torch's caching allocator): so right before the wait the launch allocates and frees blocks as large
 as that work's peak (`reserve`), and the allocator serves the work from them instead of calling cudaMalloc. The
-2026-12-06 H100 run hung in the flag primitive's test exactly there: a first device allocation queued behind a wait.
+2026-12-06 H100 run hung in the flag primitive's test at its first device allocation and kernel load, both queued
+behind a wait (either may synchronize).
 """
 
 from __future__ import annotations
