@@ -57,9 +57,10 @@ MASK_CACHE_VALUES = {"": "on", "1": "on", "0": "off", "verify": "verify"}  # $HK
 def mask_cache_mode(text: str) -> str:
     """$HKV_GRAMMAR_MASK_CACHE (unset or 1: on, 0: off, verify) as grammar.MASK_CACHE_MODES' mode; ValueError
     on any other value, so that a typo never leaves the cache in a mode nobody asked for."""
-    if text.strip() not in MASK_CACHE_VALUES:
+    mode = MASK_CACHE_VALUES.get(text.strip())
+    if mode is None:
         raise ValueError("unset or 1 (on, the default), 0 (off) or verify")
-    return MASK_CACHE_VALUES[text.strip()]
+    return mode
 
 
 def batch_sizes(text: str, limit: int) -> tuple[int, ...]:

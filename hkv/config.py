@@ -445,16 +445,12 @@ def _resolve_dtype(requested: str, device: str, declared: str | None) -> str:
 
 def _profile_steps(max_running: int) -> dict:
     """ModelConfig's profile fields from $HKV_PROFILE_STEPS and $HKV_PROFILE_DIR; ConfigError on a bad list."""
-    raw = os.environ.get("HKV_PROFILE_STEPS", "").strip()
-    try:
-        rows = batch_sizes(raw, max_running) if raw else ()
-    except ValueError as exc:
-        raise ConfigError(f"HKV_PROFILE_STEPS={raw!r}: {exc}") from None
+    rows = _env_mode("HKV_PROFILE_STEPS", lambda raw: batch_sizes(raw, max_running) if raw.strip() else ())
     folder = os.environ.get("HKV_PROFILE_DIR", "") if rows else ""
     return {"profile_rows": rows, "profile_dir": str(Path(folder).absolute()) if folder else ""}
 
 
-def _env_mode(name: str, parse) -> str:  # $name through parse (unset reads as ""); a bad value exits 2
+def _env_mode(name: str, parse):  # $name through parse (unset reads as ""); a bad value exits 2
     try:
         return parse(os.environ.get(name, ""))
     except ValueError as exc:
