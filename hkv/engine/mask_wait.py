@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -113,9 +114,8 @@ class MaskWait:
             # uploads and pinned buffers first: behind the wait only device work is queued (module docstring)
             host = pinned_ids(len(late.rows)) if samples_on_device(late.logits, late.rows) else None
             counted = processor.count_rows(slots, late.processed)
-            need = RESERVE_PER_LOGIT * len(late.processed) * late.logits.shape[-1]  # the grammar rows are among these
-            masks = processor.apply_deferred(late.logits, slots, late.processed,
-                                             lambda: self.queue_wait(value, late.logits.device, need))
+            wait = partial(self._reserved_wait, value, late)
+            masks = processor.apply_deferred(late.logits, slots, late.processed, wait)
             pending = sample_async(late.logits, late.rows, host)
             processor.sampled(slots, late.processed, pending.ids, counted)
             last_tokens.index_copy_(0, late.sample_rows, pending.ids)
@@ -124,12 +124,14 @@ class MaskWait:
             raise
         return pending, PendingFill(value, masks, late.queued)
 
-    def queue_wait(self, value: int, device: torch.device | None = None, reserve_bytes: int = 0) -> None:
-        """Queue the device-side wait for `value`, after reserving `reserve_bytes` of cached device memory for the
-        work behind it."""
-        if device is not None:
-            reserve(device, reserve_bytes)
+    def queue_wait(self, value: int) -> None:
         self.flag.wait(value)
+
+    def _reserved_wait(self, value: int, late: LateSample) -> None:
+        """queue_wait, right after the launch's last allocation before the wait, with cached device memory reserved
+        for the masking and sampling queued behind it (the grammar rows are among late.processed)."""
+        reserve(late.logits.device, RESERVE_PER_LOGIT * len(late.processed) * late.logits.shape[-1])
+        self.queue_wait(value)
 
     def release(self, value: int) -> None:
         self.sequence.release(value)
