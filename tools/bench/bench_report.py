@@ -18,6 +18,14 @@ TIERS = ("gpu", "cpu", "disk", "peer")
 SPEC_DRAFTED, SPEC_ACCEPTED = "hkv_spec_draft_tokens_total", "hkv_spec_accepted_tokens_total"
 
 
+def served_figures(doc: dict) -> dict:
+    """TPOT (mean), the median inter-token latency (ms) and output tokens/s of a report this module wrote as JSON
+    (hkv-bench --json); KeyError or TypeError where `doc` is not one."""
+    latency = doc["latency"]
+    return {"tpot_ms": latency["tpot_ms"]["mean"], "itl_median_ms": latency["itl_ms"]["median"],
+            "output_tokens_per_s": doc["throughput"]["output_tokens_per_s"]}
+
+
 def latency_stats(seconds: Sequence[float]) -> dict[str, float | None]:
     """mean / median / p99 in milliseconds (p99 by linear interpolation); None for no samples."""
     if not seconds:

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from hkv.models.loader import find_weight_shards, read_hf_config
+from tools.bench.bench_report import served_figures
 
 _EXPERT = re.compile(r"\.experts\.(\d+\.)?(gate_up_proj|down_proj|gate_proj|up_proj)")
 
@@ -78,10 +79,7 @@ def measure_bandwidth() -> float:
 
 def _served(path: Path) -> dict:
     doc = json.loads(path.read_text())
-    latency = doc["latency"]
-    return {"tpot_ms": latency["tpot_ms"]["mean"], "itl_median_ms": latency["itl_ms"]["median"],
-            "output_tokens_per_s": doc["throughput"]["output_tokens_per_s"],
-            "hkv_over_hf": (doc.get("baseline") or {}).get("hkv_over_hf")}
+    return {**served_figures(doc), "hkv_over_hf": (doc.get("baseline") or {}).get("hkv_over_hf")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,8 @@ import re
 import sys
 from pathlib import Path
 
+from tools.bench.bench_report import served_figures
+
 NOT_RUN = "not run"
 TOP_KERNELS = 3
 KERNEL_CHARS = 60  # CUTLASS and Triton names run to hundreds of characters
@@ -55,10 +57,9 @@ def read_served(path: Path) -> dict | None:
         return None
     doc = _json(path)
     try:
-        latency, requests = doc["latency"], doc["requests"]
-        return {"tpot_ms": latency["tpot_ms"]["mean"], "itl_median_ms": latency["itl_ms"]["median"],
-                "output_tokens_per_s": doc["throughput"]["output_tokens_per_s"], "sent": requests["sent"],
-                "failed": requests["failed"], "first_error": requests["first_error"]}
+        figures, requests = served_figures(doc), doc["requests"]
+        return {**figures, "sent": requests["sent"], "failed": requests["failed"],
+                "first_error": requests["first_error"]}
     except (KeyError, TypeError) as exc:
         raise Unreadable(f"{path.name}: no {exc} (not an hkv-bench report)") from None
 
