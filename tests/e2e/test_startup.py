@@ -76,6 +76,11 @@ def test_start_up_phases_are_printed_in_order_and_probes_answer_meanwhile(tmp_pa
     assert_clean(server, pids)
     lines = _launcher_lines(server)
     progress = [line.removeprefix("hkv-launch: rank0: ") for line in lines if line.startswith("hkv-launch: rank0:")]
+    # a loaded machine may take over LINE_GAP_S to read the weights before the hold: the phase then reports a
+    # quarter on the way (hkv/engine/startup.py), a line this test does not count; the last before the hold stays
+    tick = re.compile(r"loading weights \(\d+/\d+ tensors, \d+\.\d s\)")
+    progress = [line for line, after in zip(progress, [*progress[1:], ""])
+                if not (tick.fullmatch(line) and tick.fullmatch(after))]
     expected = [
         r"loading weights \(0/(\d+) tensors\)",
         r"loading weights \((\d+)/\1 tensors, \d+\.\d s\)",  # where the stall holds it: every tensor read
