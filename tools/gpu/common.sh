@@ -1,7 +1,7 @@
 # Sourced by the tools/gpu/*.sh device scripts, from the repository root: the environment of a device call
 # (OUT, the carried wheels, this tree first on PYTHONPATH), and start/stop of one hkv-launch server
 # (which needs MODEL, PORT and LOG; DEVICE defaults to cuda, START_WAIT (half-seconds) to 600), and the helpers
-# wants, say, limit, bench_model and served_sweep. A script that sets DEADLINE (the $SECONDS it must be done by)
+# wants, say, limit, bench_model, served_sweep and served_bench. A script that sets DEADLINE (the $SECONDS it must be done by)
 # gets every wait and timeout here cut short at it.
 
 OUT=${OUT:-.out}  # the device tool's folder of files that come back (./.out by hand)
@@ -33,16 +33,21 @@ bench_model() {  # bench_model DIR WHAT [make_bench_model flags...]: write a ben
 served_sweep() {  # served_sweep NAME [flags of the c = 32 run]: hkv-bench at concurrency 1, 32 and 64 against the
   # server on $PORT (random 512 + 128 tokens; 4 prompts at c = 1, 2c else) into $OUT/NAME_c<c>.json; sets `results`.
   # SWEEP_INPUT_LEN replaces the 512 (a CPU dry run of a script: its prefills are most of a CPU's time)
-  local name=$1 c n; shift
+  local name=$1 c; shift
   results=()
   for c in 1 32 64; do
-    n=$((c == 1 ? 4 : 2 * c))
     local extra=(); [[ $c == 32 ]] && extra=("$@")
-    timeout "$(limit 420)" python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --no-progress \
-      --json "$OUT/${name}_c$c.json" --workload random --input-len "${SWEEP_INPUT_LEN:-512}" --range-ratio 1 --output-len 128 \
-      --num-prompts $n --concurrency $c --warmup 2 "${extra[@]}" 2>&1 | tail -22 | sed "s/^/[c$c] /" | tee -a "$LOG"
+    served_bench "$OUT/${name}_c$c.json" "c$c" "$c" $((c == 1 ? 4 : 2 * c)) "${extra[@]}"
     results+=("c$c=$OUT/${name}_c$c.json")
   done
+}
+
+served_bench() {  # served_bench JSON TAG C N [flags...]: one hkv-bench run against the server on $PORT (random
+  # 512 + 128 tokens, N prompts at concurrency C) into JSON, its summary into $LOG with each line tagged [TAG]
+  local json=$1 tag=$2 c=$3 n=$4; shift 4
+  timeout "$(limit 420)" python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --no-progress \
+    --json "$json" --workload random --input-len "${SWEEP_INPUT_LEN:-512}" --range-ratio 1 --output-len 128 \
+    --num-prompts "$n" --concurrency "$c" --warmup 2 "$@" 2>&1 | tail -22 | sed "s/^/[$tag] /" | tee -a "$LOG"
 }
 
 start() {  # start NAME [flags...]: a server on $PORT, waits for /ready; ROOT=dir serves that tree's hkv

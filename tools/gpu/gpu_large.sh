@@ -51,14 +51,17 @@ if wants wave; then
     # twice on the one server: the first round is the first 32,768-token step the server sees (its kernels'
     # compiles and autotuning at that shape land in it), the second is warm
     for round in 1 2; do
-      timeout 300 python3 -m tools.hkv_bench --url "http://127.0.0.1:$PORT" --no-progress \
-        --json "$OUT/large_wave_c64_r$round.json" --workload random --input-len 512 --range-ratio 1 --output-len 128 \
-        --num-prompts 128 --concurrency 64 --warmup 2 2>&1 | tail -22 | sed "s/^/[wave c64 r$round] /" | tee -a "$LOG"
+      served_bench "$OUT/large_wave_c64_r$round.json" "wave c64 r$round" 64 128
     done
     stop
+    # one copy bandwidth for both rounds (measured with the first), so that they compare on one roofline
+    bandwidth=(--measure)
     for round in 1 2; do
-      python3 -m tools.bench.moe_roofline --model "$MODEL" --measure --results "c64=$OUT/large_wave_c64_r$round.json" \
-        --json "$OUT/large_wave_roofline_r$round.json" 2>&1 | grep -v Warning | tee -a "$LOG"
+      python3 -m tools.bench.moe_roofline --model "$MODEL" "${bandwidth[@]}" \
+        --results "c64=$OUT/large_wave_c64_r$round.json" --json "$OUT/large_wave_roofline_r$round.json" 2>&1 \
+        | grep -v Warning | tee -a "$LOG"
+      bandwidth=(--bandwidth-gbs "$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["bandwidth_gbs"])' \
+        "$OUT/large_wave_roofline_r1.json")")
     done
   }
 fi
